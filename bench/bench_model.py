@@ -1,0 +1,135 @@
+"""Forward+backward step time of SD3Light vs diffusers' SD3Transformer2DModel on the same config and inputs.
+
+Both models hold the same weights, see the same inputs, dtype and thread count, and are timed in interleaved
+rounds (the order alternates each round) so drift in machine load hits both alike. Prints median times, the
+ratio (SD3Light / diffusers; below 1.0 means SD3Light is faster), tokens/s and achieved FLOP/s.
+
+    python bench/bench_model.py --preset tiny
+    python bench/bench_model.py --preset small --batch_size 4 --iters 10
+    python bench/bench_model.py --preset base --device cuda --dtype bf16 --compile   # on a GPU
+"""
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model.model_sd3light import SD3Light, count_parameters, preset_config, training_flops_per_sample  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, for MFU on known GPUs
+
+
+def machine_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--latent_size", type=int, default=None, help="latent height=width; default: the preset's sample_size")
+    parser.add_argument("--text_len", type=int, default=None, help="text tokens; default 32 for built-in presets, 154 otherwise")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast over fp32 weights, as in training")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=20, help="timed rounds; each round times both models once")
+    parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument("--only_ours", action="store_true", help="skip diffusers (for shapes it cannot fit in memory)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    config = preset_config(args.preset)
+    size = args.latent_size or config.sample_size
+    text_len = args.text_len or (32 if config.joint_attention_dim <= 256 else 154)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    ours = SD3Light(config).to(device)
+    # initialize_weights zeroes adaLN and the output layer; randomise so every path does real arithmetic
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.02)
+    models = {"SD3Light": ours}
+    if not args.only_ours:
+        from diffusers import SD3Transformer2DModel
+
+        theirs = SD3Transformer2DModel(**config.to_dict()).to(device)
+        theirs.load_state_dict(ours.state_dict(), strict=True)
+        models["diffusers"] = theirs
+
+    B = args.batch_size
+    x = torch.randn(B, config.in_channels, size, size, device=device)
+    context = torch.randn(B, text_len, config.joint_attention_dim, device=device)
+    pooled = torch.randn(B, config.pooled_projection_dim, device=device)
+    timestep = torch.rand(B, device=device) * 1000
+    target = torch.randn(B, config.output_channels, size, size, device=device)
+
+    def forward(name, model):
+        out = model(x, context, pooled, timestep)
+        return out if name == "SD3Light" else out.sample
+
+    steps = {}
+    for name, model in models.items():
+        fn = torch.compile(model) if args.compile else model
+
+        def step(name=name, fn=fn, model=model):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
+                loss = (forward(name, fn).float() - target).pow(2).mean()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        steps[name] = step
+
+    def timed(step):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    times = {name: [] for name in steps}
+    names = list(steps)
+    for i in range(args.iters):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(timed(steps[name]))
+
+    flops = training_flops_per_sample(config, size, size, text_len) * B
+    tokens = B * ((size // config.patch_size) ** 2 + text_len)
+    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in machine_name("cuda")), None)
+    print(f"date {datetime.date.today()}  machine {machine_name(device.type)}  torch {torch.__version__}  "
+          f"threads {args.threads}")
+    print(f"preset {args.preset} ({count_parameters(config) / 1e6:.1f}M params)  batch {B}  latent {size}x{size}  "
+          f"text tokens {text_len}  dtype {args.dtype}  compile {args.compile}  rounds {args.iters}")
+    medians = {}
+    for name, ts in times.items():
+        medians[name] = statistics.median(ts)
+        mfu = f"  MFU {flops / medians[name] / peak:.1%}" if peak and args.dtype == "bf16" else ""
+        print(f"{name:>10}: median {medians[name] * 1000:9.2f} ms  (min {min(ts) * 1000:.2f}, max {max(ts) * 1000:.2f})  "
+              f"{tokens / medians[name]:10.0f} tokens/s  {flops / medians[name] / 1e9:8.1f} GFLOP/s{mfu}")
+    if "diffusers" in medians:
+        print(f"ratio SD3Light/diffusers: {medians['SD3Light'] / medians['diffusers']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
