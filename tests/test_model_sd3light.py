@@ -6,6 +6,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -339,6 +340,9 @@ def _ddp_worker(rank, world_size, init_file, result_file):
     dist.all_gather(gathered, flat)
     if rank == 0:
         torch.save({"same": all(torch.equal(gathered[0], g) for g in gathered)}, result_file)
+    # Tear down in order: a DDP wrapper freed after its process group is gone can hang in gloo.
+    dist.barrier()
+    del model, opt
     dist.destroy_process_group()
 
 
@@ -346,7 +350,13 @@ def test_trains_under_ddp_with_every_parameter_used(tmp_path):
     import torch.multiprocessing as mp
 
     result = tmp_path / "result.pt"
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(result)), nprocs=2, join=True)
+    workers = mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(result)), nprocs=2, join=False)
+    deadline = time.monotonic() + 180  # a hung collective must fail the test, not stall CI
+    while not workers.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in workers.processes:
+                p.kill()
+            pytest.fail("DDP workers did not finish within 180 s")
     assert torch.load(result, weights_only=True)["same"]
 
 
