@@ -39,9 +39,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--latent_size", type=int, default=None, help="latent height=width; default: the preset's sample_size")
-    parser.add_argument("--text_len", type=int, default=None, help="text tokens; default 32 for built-in presets, 154 otherwise")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="bf16 = autocast over fp32 weights, as in training")
+    parser.add_argument("--latent_size", type=int, default=None,
+                        help="latent height=width; default: the preset's sample_size")
+    parser.add_argument("--text_len", type=int, default=None,
+                        help="text tokens; default 32 for built-in presets, 154 (2 x 77) for SD3 ones")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16 = autocast over fp32 weights, as in training")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--warmup", type=int, default=3)
@@ -125,7 +128,8 @@ def main():
     for name, ts in times.items():
         medians[name] = statistics.median(ts)
         mfu = f"  MFU {flops / medians[name] / peak:.1%}" if peak and args.dtype == "bf16" else ""
-        print(f"{name:>10}: median {medians[name] * 1000:9.2f} ms  (min {min(ts) * 1000:.2f}, max {max(ts) * 1000:.2f})  "
+        print(f"{name:>10}: median {medians[name] * 1000:9.2f} ms  "
+              f"(min {min(ts) * 1000:.2f}, max {max(ts) * 1000:.2f})  "
               f"{tokens / medians[name]:10.0f} tokens/s  {flops / medians[name] / 1e9:8.1f} GFLOP/s{mfu}")
     if "diffusers" in medians:
         print(f"ratio SD3Light/diffusers: {medians['SD3Light'] / medians['diffusers']:.3f}")

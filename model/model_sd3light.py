@@ -184,8 +184,8 @@ class PatchEmbed(nn.Module):
 
     def cropped_table(self, h, w):
         if h > self.max_size or w > self.max_size:
-            raise ValueError(f"latent grid {h}x{w} patches exceeds the position table ({self.max_size}x{self.max_size}):"
-                             f" use a smaller resolution or a model with a larger pos_embed_max_size")
+            raise ValueError(f"latent grid {h}x{w} patches exceeds the position table ({self.max_size}x"
+                             f"{self.max_size}): use a smaller resolution or a model with a larger pos_embed_max_size")
         top, left = (self.max_size - h) // 2, (self.max_size - w) // 2
         table = self.pos_embed.view(self.max_size, self.max_size, -1)[top:top + h, left:left + w]
         return table.reshape(1, h * w, -1)
@@ -295,7 +295,7 @@ class Attention(nn.Module):
             q, k, v = torch.cat([q, cq], dim=1), torch.cat([k, ck], dim=1), torch.cat([v, cv], dim=1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-            # torch's CPU attention backward is several times slower in bf16 than in fp32; fp32 is also exact-er
+            # torch's CPU attention backward is several times slower in bf16 than in fp32 (and less accurate)
             with torch.autocast("cpu", enabled=False):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(q.dtype)
         else:
@@ -306,8 +306,9 @@ class Attention(nn.Module):
         # split before flattening the heads: one copy per stream, and a single cat in backward
         x_out, context_out = out.split([N, out.shape[1] - N], dim=1)
         x_out = self.to_out[0](x_out.reshape(B, N, -1))
-        context_out = self.to_add_out(context_out.reshape(B, -1, x_out.shape[-1])) if self.to_add_out is not None else None
-        return x_out, context_out
+        if self.to_add_out is None:  # context_pre_only: the text outputs are not used
+            return x_out, None
+        return x_out, self.to_add_out(context_out.reshape(B, -1, x_out.shape[-1]))
 
 
 class GELUProjection(nn.Module):
@@ -359,13 +360,14 @@ class JointTransformerBlock(nn.Module):
         mod = self.norm1(temb, x.dtype)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:6]
         x_norm = layer_norm(x)
+        context_mod = self.norm1_context(temb, context.dtype)
         if self.context_pre_only:
-            scale_c, shift_c = self.norm1_context(temb, context.dtype)  # continuous adaLN: scale first
-            attn_out, _ = self.attn(modulate(x_norm, shift_msa, scale_msa), modulate(layer_norm(context), shift_c, scale_c))
+            scale_c, shift_c = context_mod  # continuous adaLN (no gates): scale comes first
+            c_norm = modulate(layer_norm(context), shift_c, scale_c)
         else:
-            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb, context.dtype)
+            c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = context_mod
             c_norm = modulate(layer_norm(context), c_shift_msa, c_scale_msa)
-            attn_out, context_attn_out = self.attn(modulate(x_norm, shift_msa, scale_msa), c_norm)
+        attn_out, context_attn_out = self.attn(modulate(x_norm, shift_msa, scale_msa), c_norm)
         x = torch.addcmul(x, gate_msa, attn_out)
         if self.use_dual_attention:
             shift_msa2, scale_msa2, gate_msa2 = mod[6:]
@@ -374,7 +376,8 @@ class JointTransformerBlock(nn.Module):
         if self.context_pre_only:
             return x, None
         context = torch.addcmul(context, c_gate_msa, context_attn_out)
-        context = torch.addcmul(context, c_gate_mlp, self.ff_context(modulate(layer_norm(context), c_shift_mlp, c_scale_mlp)))
+        c_ff = self.ff_context(modulate(layer_norm(context), c_shift_mlp, c_scale_mlp))
+        context = torch.addcmul(context, c_gate_mlp, c_ff)
         return x, context
 
 

@@ -171,7 +171,8 @@ def test_wrong_shape_is_named_with_both_shapes():
     model, sd = _model_and_weights()
     sd["proj_out.weight"] = sd["proj_out.weight"][:-1]
     rows, cols = model.proj_out.weight.shape
-    with pytest.raises(StateDictMismatchError, match=rf"proj_out\.weight \(file \[{rows - 1}, {cols}\], model \[{rows}, {cols}\]\)"):
+    expected = rf"proj_out\.weight \(file \[{rows - 1}, {cols}\], model \[{rows}, {cols}\]\)"
+    with pytest.raises(StateDictMismatchError, match=expected):
         model.load_state_dict(sd)
 
 
