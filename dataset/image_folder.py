@@ -1,0 +1,204 @@
+"""User data: a folder of images with same-name .txt captions, or a .jsonl manifest. Plus build_dataset().
+
+Every file is decoded once when the dataset is built, so a broken file is reported up front (one summary line)
+instead of crashing a training run hours in. Images come out as RGB squares: EXIF orientation applied,
+transparency composited on white, 16-bit scaled to 8-bit, shorter side resized to the resolution, centre-cropped.
+"""
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from tqdm import tqdm
+
+from dataset.shapes import ShapesDataset, image_to_tensor
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")  # matched case-insensitively
+SKIP_REASONS = ("missing", "zero-byte", "truncated", "unreadable")  # the order they are listed in the summary
+PROGRESS_MIN_FILES = 200  # show a progress bar while checking more files than this
+MAX_NAMES_LISTED = 5  # per skip reason in the summary line
+CHECK_THREADS = 8  # Pillow releases the GIL while decoding, so threads overlap file reads and decodes
+
+LOOKED_FOR = f"looked recursively for {', '.join(IMAGE_EXTENSIONS)} files (any letter case)"
+HOW_TO = "pass a folder of images with same-name .txt captions, a .jsonl manifest, or 'builtin'"
+
+
+class DatasetError(Exception):
+    """A problem with the user's data. The message is one line: what was looked for and what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loading one image
+
+
+def to_rgb(img):
+    """Any PIL mode -> RGB, with transparency composited on white and 16-bit values scaled (not clipped) to 8-bit."""
+    if img.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
+        # Pillow's own I;16 -> L conversion clips at 255, which turns any 16-bit image nearly white.
+        array = np.asarray(img, dtype=np.float64) / 257.0  # 0..65535 -> 0..255
+        img = Image.fromarray(np.clip(np.rint(array), 0, 255).astype(np.uint8))
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")  # also resolves palette and colour-key transparency into an alpha channel
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_image(path, resolution):
+    """Open an image file as a resolution x resolution PIL RGB image (shorter side resized, centre-cropped)."""
+    with Image.open(path) as img:
+        # JPEG only (a no-op elsewhere): decode at a 1/2, 1/4 or 1/8 scale that stays >= 2x the target, which
+        # makes big photos several times faster to read and loses nothing after the LANCZOS resize below.
+        img.draft(None, (2 * resolution, 2 * resolution))
+        img = ImageOps.exif_transpose(img)  # phone photos store rotation as a tag, not in the pixels
+        img = to_rgb(img)
+    w, h = img.size
+    side = min(w, h)
+    box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)  # the centred square, in source pixels
+    return img.resize((resolution, resolution), Image.Resampling.LANCZOS, box=box)
+
+
+def check_image(path, resolution):
+    """The reason this file cannot be used (one of SKIP_REASONS), or None when it decodes completely."""
+    if not os.path.isfile(path):
+        return "missing"
+    if os.path.getsize(path) == 0:
+        return "zero-byte"
+    try:
+        load_image(path, resolution)  # a full decode: truncation only shows when the pixel data is read
+    except Exception as e:  # any decoder failure makes the file unusable; which one only matters for the report
+        return "truncated" if "truncated" in str(e) else "unreadable"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Finding images and captions
+
+
+def clean_caption(text):
+    return " ".join(text.split())  # one line, single spaces: a caption file may end in a newline or wrap lines
+
+
+def find_images(root):
+    """(image path, caption) for every image under root, sorted; the caption is the same-name .txt or ""."""
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ... hold no data
+        # Dot-files are skipped too: macOS "._name.png" resource forks look like images but are not.
+        paths += [os.path.join(folder, f) for f in files
+                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+    items = []
+    for path in sorted(paths):
+        caption_path = os.path.splitext(path)[0] + ".txt"
+        caption = ""
+        if os.path.isfile(caption_path):
+            with open(caption_path, encoding="utf-8-sig", errors="replace") as f:
+                caption = clean_caption(f.read())
+        items.append((path, caption))
+    return items
+
+
+def read_manifest(path):
+    """(image path, caption) for each line {"image": ..., "caption": ...}; image paths are relative to the file."""
+    root = os.path.dirname(os.path.abspath(path))
+    items = []
+    with open(path, encoding="utf-8-sig") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path} line {line_number} is not valid JSON ({e.msg}): expected "
+                                   '{"image": "relative/or/absolute.png", "caption": "..."} on every line') from None
+            caption = entry.get("caption") if isinstance(entry, dict) else None
+            if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) or not isinstance(
+                    caption, (str, type(None))):
+                raise DatasetError(f"{path} line {line_number} is not an object with a string \"image\" and an "
+                                   f"optional string \"caption\": {line.strip()[:80]}")
+            # os.path.join keeps an absolute image path as it is
+            items.append((os.path.join(root, os.path.expanduser(entry["image"])), clean_caption(caption or "")))
+    return items
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The dataset
+
+
+class ImageCaptionDataset(torch.utils.data.Dataset):
+    """User images with captions. Items are {"image": [3, H, W] in [-1, 1], "caption": str ("" = unconditional)}.
+
+    After construction: items (kept (path, caption) pairs), skipped (reason -> paths), uncaptioned (count of kept
+    images with an empty caption) and summary (the line that was logged).
+    """
+
+    def __init__(self, path, resolution, log=print):
+        path = os.fspath(path)
+        self.path, self.resolution = path, int(resolution)
+        if not os.path.exists(path):
+            raise DatasetError(f"dataset path {path} does not exist: {HOW_TO}")
+        if os.path.isdir(path):
+            self.root = path
+            candidates = find_images(path)
+            if not candidates:
+                raise DatasetError(f"no images found in {path}: {LOOKED_FOR}; {HOW_TO}")
+        elif path.lower().endswith(".jsonl"):
+            self.root = os.path.dirname(os.path.abspath(path))
+            candidates = read_manifest(path)
+            if not candidates:
+                raise DatasetError(f"manifest {path} lists no images: expected one line per image like "
+                                   '{"image": "a.png", "caption": "..."}')
+        else:
+            raise DatasetError(f"dataset path {path} is neither a folder nor a .jsonl manifest: {HOW_TO}")
+
+        paths = [p for p, _ in candidates]
+        with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(paths))) as pool:
+            reasons = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
+            reasons = list(tqdm(reasons, total=len(paths), desc=f"checking {path}", unit="img",
+                                disable=len(paths) <= PROGRESS_MIN_FILES))
+        self.items, self.skipped = [], {}
+        for item, reason in zip(candidates, reasons):
+            if reason is None:
+                self.items.append(item)
+            else:
+                self.skipped.setdefault(reason, []).append(item[0])
+        self.uncaptioned = sum(1 for _, caption in self.items if not caption)
+        self.summary = self._summary()
+        if not self.items:
+            raise DatasetError(f"no usable images: {self.summary}")
+        log(self.summary)
+
+    def _summary(self):
+        parts = []
+        for reason in SKIP_REASONS:
+            paths = self.skipped.get(reason, [])
+            if paths:
+                names = [os.path.relpath(p, self.root) for p in paths[:MAX_NAMES_LISTED]]
+                more = f", +{len(paths) - MAX_NAMES_LISTED} more" if len(paths) > MAX_NAMES_LISTED else ""
+                parts.append(f"{len(paths)} {reason}: {', '.join(names)}{more}")
+        n_skipped = sum(len(p) for p in self.skipped.values())
+        skipped = f"{n_skipped} skipped" + (f" ({'; '.join(parts)})" if parts else "")
+        return f"dataset {self.path}: {len(self.items)} images, {skipped}, {self.uncaptioned} without caption"
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        path, caption = self.items[i]
+        try:
+            image = load_image(path, self.resolution)
+        except Exception as e:  # it decoded at start-up, so the file changed underneath us
+            raise DatasetError(f"could not load {path} (it loaded when the dataset was built): {e}") from e
+        return {"image": image_to_tensor(image), "caption": caption}
+
+
+def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0):
+    """'builtin' -> ShapesDataset(split, ...); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and
+    seed only apply to the built-in data). Anything else raises DatasetError."""
+    if data == "builtin":
+        dataset = ShapesDataset(split, num_samples or 20000, resolution, seed)
+        log(f"dataset builtin: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
+        return dataset
+    return ImageCaptionDataset(data, resolution, log=log)
