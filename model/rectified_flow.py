@@ -1,0 +1,79 @@
+"""Rectified flow, as SD3 trains and samples it (REFERENCE section 3).
+
+    x_t = (1 - s) * x0 + s * noise,    the model predicts v = noise - x0,    its timestep input is s * 1000.
+"""
+import math
+
+import torch
+
+
+def shift_sigmas(s, shift):
+    """SD3's resolution shift: pushes sigmas towards the noisy end for shift > 1."""
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def sample_sigmas(n, scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, shift=1.0,
+                  generator=None, device="cpu"):
+    """Training sigmas in (0, 1): logit-normal (SD3's default), uniform, or 'mode' (mode_scale)."""
+    if scheme == "logit_normal":
+        s = torch.sigmoid(torch.randn(n, generator=generator, device=device) * logit_std + logit_mean)
+    elif scheme == "uniform":
+        s = torch.rand(n, generator=generator, device=device)
+    elif scheme == "mode":
+        u = torch.rand(n, generator=generator, device=device)
+        s = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    else:
+        raise ValueError(f"unknown sigma scheme {scheme!r}: use logit_normal, uniform or mode")
+    return shift_sigmas(s, shift) if shift != 1.0 else s
+
+
+def add_noise(x0, noise, s):
+    s = s.view(-1, *[1] * (x0.dim() - 1))
+    return (1 - s) * x0 + s * noise
+
+
+def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", huber_c=0.03):
+    """Per-batch loss in fp32. weighting: none | sigma_sqrt (s^-2) | cosmap (2 / (pi (1 - 2s + 2s^2)))."""
+    target = (noise - x0).float()
+    diff = pred.float() - target
+    if loss_type == "mse":
+        per_sample = diff.pow(2).flatten(1).mean(1)
+    elif loss_type == "huber":  # pseudo-Huber: quadratic near zero, linear for large errors
+        per_sample = (torch.sqrt(diff.pow(2) + huber_c ** 2) - huber_c).flatten(1).mean(1)
+    else:
+        raise ValueError(f"unknown loss {loss_type!r}: use mse or huber")
+    s = s.float()
+    if weighting == "sigma_sqrt":
+        w = s.clamp(min=1e-3) ** -2
+    elif weighting == "cosmap":
+        w = 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
+    elif weighting == "none":
+        w = torch.ones_like(s)
+    else:
+        raise ValueError(f"unknown weighting {weighting!r}: use none, sigma_sqrt or cosmap")
+    return (w * per_sample).mean()
+
+
+def sampling_sigmas(steps, shift=3.0, device="cpu"):
+    """steps + 1 sigmas from 1 to 0, shifted like SD3's FlowMatchEulerDiscreteScheduler."""
+    return shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=device), shift)
+
+
+@torch.no_grad()
+def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0):
+    """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text."""
+    x = noise
+    sigmas = sampling_sigmas(steps, shift, device=noise.device)
+    use_cfg = cfg != 1.0
+    if use_cfg:
+        tokens = torch.cat([tokens, torch.zeros_like(tokens)])
+        pooled = torch.cat([pooled, torch.zeros_like(pooled)])
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        model_in = torch.cat([x, x]) if use_cfg else x
+        t = (s * 1000).expand(model_in.shape[0])
+        v = model(model_in, tokens, pooled, t).float()
+        if use_cfg:
+            v_cond, v_uncond = v.chunk(2)
+            v = v_uncond + cfg * (v_cond - v_uncond)
+        x = x + (s_next - s) * v
+    return x
