@@ -1,0 +1,57 @@
+"""Generate images from trained weights into a captioned PNG grid (Euler sampler, classifier-free guidance).
+
+    python eval/eval_sample.py --weights pretrain_tiny --prompt "a large red circle in the center"
+    python eval/eval_sample.py --weights out/pretrain_tiny.json --prompt_file prompts.txt --seeds 4
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model.file_io import atomic_path  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    DEFAULT_OUT_DIR, UserError, captioned_grid, load_weights, run_main, sample_images,
+)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", default="pretrain_tiny", help="a stage name in --out_dir, or a path")
+    parser.add_argument("--prompt", action="append", default=[], help="repeatable")
+    parser.add_argument("--prompt_file", default=None, help="one prompt per line")
+    parser.add_argument("--seeds", type=int, default=1, help="images per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="default: what the run sampled with")
+    parser.add_argument("--cfg", type=float, default=None)
+    parser.add_argument("--shift", type=float, default=None)
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
+    parser.add_argument("--out", default=None, help="PNG path; default out/samples/<weights>_eval.png")
+    args = parser.parse_args()
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        if not os.path.exists(args.prompt_file):
+            raise UserError(f"prompt file {args.prompt_file} does not exist")
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts += [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompt_file FILE")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, components, record = load_weights(args.weights, args.out_dir, device)
+    defaults = record["sampling"]
+    steps, cfg, shift = (args.steps or defaults["steps"], args.cfg if args.cfg is not None else defaults["cfg"],
+                         args.shift if args.shift is not None else defaults["shift"])
+    all_prompts = [p for p in prompts for _ in range(args.seeds)]
+    images = sample_images(model, components, all_prompts, seed=args.seed, steps=steps, cfg=cfg, shift=shift,
+                           resolution=record["resolution"], device=device)
+    name = f"{record['stage']}_{record['preset']}"
+    out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
+    with atomic_path(out) as tmp:
+        captioned_grid(images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8))).save(tmp, format="PNG")
+    print(f"{len(all_prompts)} images ({steps} steps, cfg {cfg}, shift {shift}) from step {record['step']}: {out}")
+
+
+if __name__ == "__main__":
+    run_main(main)

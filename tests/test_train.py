@@ -1,0 +1,244 @@
+"""Pretraining end to end: real scripts, tiny sizes, few steps."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+
+from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
+from model.components import BuiltinComponents
+from model.model_sd3light import SD3Light, SD3LightConfig
+from model.rectified_flow import euler_sample, flow_loss, sample_sigmas
+from trainer.trainer_utils import EpochSampler, add_training_args, flow_matching_loss, lr_at
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
+             "--sample_interval", "0", "--sample_steps", "2"]
+
+
+def run(args, torchrun=0, check=True):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun)] if torchrun \
+        else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, env=env, timeout=600)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-3000:]}")
+    return result
+
+
+def metric_steps(path):
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+@pytest.mark.slow
+def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    common = ["trainer/train_pretrain.py", *SMALL_RUN, "--out_dir", out, "--save_dir", ckpt]
+    run(common + ["--max_steps", "4", "--ema_decay", "0.9"], torchrun=2)
+    for name in ("pretrain_tiny.safetensors", "pretrain_tiny.components.safetensors", "pretrain_tiny.json",
+                 "pretrain_tiny_metrics.jsonl", "samples/pretrain_tiny_step000004.png"):
+        assert os.path.exists(os.path.join(out, name)), name
+    assert os.path.exists(os.path.join(ckpt, "pretrain_tiny_resume.pt"))
+    state = torch.load(os.path.join(ckpt, "pretrain_tiny_resume.pt"), weights_only=True)
+    assert state["step"] == 4 and state["world_size"] == 2 and state["samples_seen"] == 4 * 4 * 2
+    assert len(state["rng"]) == 2 and all(v.dtype == torch.float32 for v in state["model"].values())
+    record = json.load(open(os.path.join(out, "pretrain_tiny.json")))
+    assert record["step"] == 4 and record["transformer"]["num_layers"] == 6 and record["ema"]
+
+    resumed = run(common + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1"], torchrun=2)
+    assert "at step 4" in resumed.stdout + resumed.stderr
+    assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
+    assert torch.load(os.path.join(ckpt, "pretrain_tiny_resume.pt"), weights_only=True)["step"] == 6
+
+    grid = tmp_path / "grid.png"
+    sampled = run(["eval/eval_sample.py", "--weights", os.path.join(out, "pretrain_tiny"), "--prompt",
+                   "a large red circle in the center", "--prompt", "two green stars", "--seeds", "2", "--steps", "3",
+                   "--out", str(grid)])
+    assert "4 images" in sampled.stdout and "from step 6" in sampled.stdout
+    image = Image.open(grid)
+    assert image.width >= 4 * 64 and image.mode == "RGB"
+
+    report = tmp_path / "loss.json"
+    evaluated = run(["eval/eval_loss.py", "--weights", os.path.join(out, "pretrain_tiny"), "--num_samples", "8",
+                     "--json", str(report)])
+    assert evaluated.stdout.strip().splitlines()[-1].startswith("mean held-out loss: ")
+    losses = json.load(open(report))["losses"]
+    assert len(losses) == 9 and all(0 < v < 10 for v in losses.values())
+
+
+def write_png(path, image):
+    image.save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_folder_dataset_with_bad_files_trains_and_reports_them(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(6):
+        write_png(data / f"good{i}.png", Image.new("RGB", (40, 48), (30 * i, 100, 200)))
+        (data / f"good{i}.txt").write_text(f"a blue square number {i}")
+    rgba = Image.new("RGBA", (32, 32), (255, 0, 0, 0))
+    write_png(data / "rgba.png", rgba)
+    write_png(data / "palette.png", Image.new("P", (32, 32), 3))
+    write_png(data / "sixteen.png", Image.new("I;16", (32, 32), 30000))
+    (data / "zero.png").write_bytes(b"")
+    (data / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(200))
+    out = run(["trainer/train_pretrain.py", "--data", str(data), "--batch_size", "3", "--accumulation_steps", "2",
+               "--max_steps", "3",  # 9 images, 6 per step: every step starts a new epoch
+               "--sample_interval", "0", "--sample_steps", "1", "--out_dir", str(tmp_path / "out"),
+               "--save_dir", str(tmp_path / "ckpt")])
+    text = out.stdout + out.stderr
+    assert "9 images" in text and "2 skipped" in text and "zero.png" in text and "corrupt.png" in text
+    assert os.path.exists(tmp_path / "out" / "pretrain_tiny.safetensors")
+
+
+@pytest.mark.parametrize("make", ["empty", "missing"])
+def test_empty_or_missing_data_is_a_one_line_error(tmp_path, make):
+    path = tmp_path / "data"
+    if make == "empty":
+        path.mkdir()
+    result = run(["trainer/train_pretrain.py", "--data", str(path), "--out_dir", str(tmp_path)], check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(path) in lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_mismatched_resume_is_refused(tmp_path):
+    # a resume file from a 'small' run must not silently continue as 'tiny'
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    args = add_training_args(__import__("argparse").ArgumentParser()).parse_args([])
+    torch.save({"kind": "resume", "stage": "pretrain", "args": {**vars(args), "preset": "small"}},
+               ckpt / "pretrain_tiny_resume.pt")
+    result = run(["trainer/train_pretrain.py", "--from_resume", "1", "--save_dir", str(ckpt), "--out_dir",
+                  str(tmp_path)], check=False)
+    assert result.returncode == 2 and "--preset small (saved) vs tiny (now)" in result.stderr
+
+
+def test_resume_file_with_pickled_object_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # an argparse.Namespace is what other trainers pickle into their checkpoints
+    torch.save({"kind": "resume", "args": __import__("argparse").Namespace(lr=1)}, ckpt / "pretrain_tiny_resume.pt")
+    result = run(["trainer/train_pretrain.py", "--from_resume", "1", "--save_dir", str(ckpt), "--out_dir",
+                  str(tmp_path)], check=False)
+    assert result.returncode == 2 and "cannot read resume file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_loss_falls_when_overfitting_a_fixed_batch():
+    torch.manual_seed(0)
+    config = SD3LightConfig(sample_size=16, patch_size=2, in_channels=12, out_channels=12, num_layers=2,
+                            attention_head_dim=16, num_attention_heads=4, joint_attention_dim=128,
+                            caption_projection_dim=64, pooled_projection_dim=128, pos_embed_max_size=16)
+    model, components = SD3Light(config), BuiltinComponents(GRAMMAR_WORDS)
+    data = ShapesDataset("train", 8, 32)
+    items = [data[i] for i in range(8)]
+    batch = {"image": torch.stack([it["image"] for it in items]), "caption": [it["caption"] for it in items]}
+    args = add_training_args(__import__("argparse").ArgumentParser()).parse_args(["--caption_dropout", "0"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for step in range(80):
+        generator = torch.Generator().manual_seed(step % 4)  # the same few noise draws again and again
+        loss = flow_matching_loss(model, components, batch, generator, args, torch.device("cpu"), None)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-8:]) / 8 < 0.5 * sum(losses[:8]) / 8
+
+
+def test_epoch_sampler_deals_one_permutation_and_resumes_mid_epoch():
+    whole = [list(EpochSampler(20, r, 2, seed=3)) for r in range(2)]
+    assert sorted(whole[0] + whole[1]) == list(range(20))
+    resumed = []
+    for r in range(2):
+        s = EpochSampler(20, r, 2, seed=3)
+        s.set_position(0, 8)  # 8 samples of the epoch already consumed (by any world size)
+        resumed.append(list(s))
+    assert resumed[0] == whole[0][4:] and resumed[1] == whole[1][4:]
+    one = EpochSampler(20, 0, 1, seed=3)
+    one.set_position(0, 8)
+    assert sorted(list(one)) == sorted(whole[0][4:] + whole[1][4:])  # 2 -> 1 process: the same rest of the epoch
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 100, 1.0, 10, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_sigma_schemes_and_losses():
+    g = torch.Generator().manual_seed(0)
+    for scheme in ("logit_normal", "uniform", "mode"):
+        s = sample_sigmas(1000, scheme, generator=g)
+        assert 0 <= s.min() and s.max() <= 1
+    assert sample_sigmas(1000, shift=3.0, generator=g).mean() > sample_sigmas(1000, generator=g).mean()
+    x0, noise, s = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.rand(4)
+    perfect = noise - x0
+    for loss_type in ("mse", "huber"):
+        for weighting in ("none", "sigma_sqrt", "cosmap"):
+            assert flow_loss(perfect, x0, noise, s, loss_type, weighting).item() == pytest.approx(0, abs=1e-6)
+
+
+def test_euler_sampler_follows_an_exact_velocity_field():
+    # for a model that predicts the true velocity towards a fixed x0, Euler lands exactly on x0
+    x0 = torch.randn(2, 3, 4, 4)
+
+    def model(x, tokens, pooled, t):
+        s = (t / 1000).view(-1, 1, 1, 1)
+        return (x - x0.repeat(x.shape[0] // 2, 1, 1, 1)) / s.clamp(min=1e-6)
+
+    out = euler_sample(model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8), steps=10, cfg=3.0)
+    torch.testing.assert_close(out, x0, rtol=0, atol=1e-4)
+
+
+class NaNImages(torch.utils.data.Dataset):
+    """Plain images, except that the listed indices are NaN."""
+
+    def __init__(self, n, bad):
+        self.n, self.bad = n, set(bad)
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        value = float("nan") if i in self.bad else 0.5
+        return {"image": torch.full((3, 32, 32), value), "caption": "a large red circle in the center"}
+
+
+def _train_tiny(tmp_path, dataset, steps):
+    import argparse
+
+    from model.model_sd3light import preset_config
+    from trainer.trainer_utils import DistInfo, train
+
+    args = add_training_args(argparse.ArgumentParser()).parse_args([
+        "--batch_size", "4", "--max_steps", str(steps), "--save_interval", "100", "--sample_interval", "0",
+        "--sample_steps", "1", "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")])
+    messages = []
+    train(args, "pretrain", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS), dataset, DistInfo(),
+          lambda msg: messages.append(msg), ["a red circle"])
+    return messages
+
+
+def test_nan_steps_are_skipped_and_the_run_still_saves(tmp_path):
+    messages = _train_tiny(tmp_path, NaNImages(16, bad=[3]), steps=8)  # one batch in four holds the NaN image
+    skipped = [m for m in messages if "update skipped" in m]
+    assert 1 <= len(skipped) < 8
+    assert json.load(open(tmp_path / "out" / "pretrain_tiny.json"))["step"] == 8
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "pretrain_tiny_metrics.jsonl")]
+    assert len(rows) == 8 - len(skipped) and all(r["loss"] == r["loss"] for r in rows)  # no NaN logged
+
+
+def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path):
+    from trainer.trainer_utils import UserError
+
+    with pytest.raises(UserError, match="not finite for 10 steps in a row"):
+        _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20)
