@@ -100,12 +100,16 @@ DIFFUSERS_FORMAT_VERSION = "0.42.1"  # the diffusers release whose config.json l
 # One place for every named size. tiny/small use the built-in pixel-space autoencoder (RGB space-to-depth by 2:
 # 12 channels) and the built-in text encoder (width 128); base and the published shapes use the real SD3 VAE
 # (16 channels) and CLIP-L/G + T5 text embeddings (4096 wide sequence, 2048 pooled).
+# For tiny/small, pos_embed_max_size = sample_size // patch_size puts neighbouring patches one position unit
+# apart. With the table spanning fewer units (as SD3's does), a 32px image's 8x8 grid got nearly the same
+# position code everywhere (cosine 0.91 between opposite corners) and the model could not place objects.
+# tiny takes images up to 64px (a 16x16 grid), small up to 128px.
 _BUILTIN = dict(in_channels=12, out_channels=12, joint_attention_dim=128, pooled_projection_dim=128, patch_size=2)
 _SD3 = dict(in_channels=16, out_channels=16, joint_attention_dim=4096, pooled_projection_dim=2048, patch_size=2)
 PRESETS = {
-    "tiny": dict(_BUILTIN, sample_size=16, pos_embed_max_size=32, num_layers=6, num_attention_heads=6,
+    "tiny": dict(_BUILTIN, sample_size=32, pos_embed_max_size=16, num_layers=6, num_attention_heads=6,
                  attention_head_dim=32, caption_projection_dim=192),
-    "small": dict(_BUILTIN, sample_size=32, pos_embed_max_size=64, num_layers=12, num_attention_heads=6,
+    "small": dict(_BUILTIN, sample_size=64, pos_embed_max_size=32, num_layers=12, num_attention_heads=6,
                   attention_head_dim=64, caption_projection_dim=384),
     "base": dict(_SD3, sample_size=64, pos_embed_max_size=96, num_layers=12, num_attention_heads=12,
                  attention_head_dim=64, caption_projection_dim=768),
