@@ -10,9 +10,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model.file_io import atomic_path  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, captioned_grid, load_weights, run_main, sample_images,
+    DEFAULT_OUT_DIR, UserError, load_weights, run_main, sample_images, save_grid,
 )
 
 
@@ -48,8 +47,7 @@ def main():
                            resolution=record["resolution"], device=device)
     name = f"{record['stage']}_{record['preset']}"
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
-    with atomic_path(out) as tmp:
-        captioned_grid(images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8))).save(tmp, format="PNG")
+    save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     print(f"{len(all_prompts)} images ({steps} steps, cfg {cfg}, shift {shift}) from step {record['step']}: {out}")
 
 

@@ -139,6 +139,4 @@ def build_components(spec):
     """Rebuild components from the spec saved in a weights config (kind 'builtin' for now)."""
     if spec["kind"] != "builtin":
         raise ValueError(f"unknown components kind {spec['kind']!r}")
-    return BuiltinComponents(spec["vocab"], factor=spec["factor"], text_width=spec["text_width"],
-                             text_layers=spec["text_layers"], text_max_length=spec["text_max_length"],
-                             seed=spec["seed"])
+    return BuiltinComponents(**{k: v for k, v in spec.items() if k != "kind"})  # spec keys = constructor args

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from model.components import build_components, drop_captions  # noqa: E402
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
 from model.model_sd3light import SD3Light, SD3LightConfig  # noqa: E402
 from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas  # noqa: E402
@@ -178,8 +180,6 @@ def resolve_weights(name_or_path, out_dir):
 
 def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
     """-> (SD3Light in fp32, components, record). Strict: every key must fit."""
-    from model.components import build_components
-
     paths = resolve_weights(name_or_path, out_dir)
     with open(paths["config"], encoding="utf-8") as f:
         record = json.load(f)
@@ -247,6 +247,12 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
     return components.decode_latents(latents).float().cpu()
 
 
+def save_grid(path, images, captions, columns=None):
+    """Write a captioned grid PNG atomically."""
+    with atomic_path(path) as tmp:
+        captioned_grid(images, captions, columns=columns).save(tmp, format="PNG")
+
+
 def captioned_grid(images, captions, tile=128, columns=None):
     """A PNG-ready PIL grid: each image upscaled to `tile` px with its caption underneath."""
     from PIL import Image, ImageDraw, ImageFont
@@ -263,20 +269,9 @@ def captioned_grid(images, captions, tile=128, columns=None):
         pil = Image.fromarray(arr).resize((tile, tile), Image.NEAREST)
         x, y = (i % columns) * tile, (i // columns) * (tile + text_h)
         grid.paste(pil, (x, y))
-        for j, line in enumerate(wrap(caption or "(unconditional)", width=tile // 6)[:3]):
+        for j, line in enumerate(textwrap.wrap(caption or "(unconditional)", width=tile // 6)[:3]):
             draw.text((x + 2, y + tile + 1 + 11 * j), line, fill="black", font=font)
     return grid
-
-
-def wrap(text, width):
-    lines, line = [], ""
-    for word in text.split():
-        if line and len(line) + 1 + len(word) > width:
-            lines.append(line)
-            line = word
-        else:
-            line = f"{line} {word}".strip()
-    return lines + [line] if line else lines
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,8 +340,6 @@ def check_resume(state, args, stage):
 
 
 def flow_matching_loss(model, components, batch, generator, args, device, autocast_dtype):
-    from model.components import drop_captions
-
     images, captions = batch["image"].to(device), list(batch["caption"])
     with torch.no_grad():
         latents = components.encode_images(images)
@@ -458,8 +451,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
                                cfg=args.sample_cfg, shift=args.sample_shift, resolution=args.resolution,
                                device=device)
         path = os.path.join(args.out_dir, "samples", f"{name}_step{step:06d}.png")
-        with atomic_path(path) as tmp:
-            captioned_grid(images, sample_prompts).save(tmp, format="PNG")
+        save_grid(path, images, sample_prompts)
         log(f"sample grid: {path}")
 
     bar = tqdm(total=total_steps, initial=step, desc=stage, dynamic_ncols=True) if info.is_main else None
