@@ -12,7 +12,7 @@ from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import euler_sample, flow_loss, sample_sigmas
-from trainer.trainer_utils import EpochSampler, add_training_args, flow_matching_loss, lr_at
+from trainer.trainer_utils import EMA, EpochSampler, add_training_args, flow_matching_loss, lr_at
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
@@ -242,3 +242,16 @@ def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path):
 
     with pytest.raises(UserError, match="not finite for 10 steps in a row"):
         _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20)
+
+
+def test_ema_decay_warms_up_then_holds():
+    """Early updates follow the weights closely ((1 + step) / (10 + step)); later ones use the set decay."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    ema = EMA(model, decay=0.99)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update(model, step=1)  # decay 2/11: the shadow moves 9/11 of the way
+    assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11))
+    ema.update(model, step=10_000)  # decay capped at 0.99
+    assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11 + (2 / 11) * 0.01))

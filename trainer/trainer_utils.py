@@ -214,17 +214,19 @@ def load_resume(path):
 
 
 class EMA:
-    """Exponential moving average of the weights, in fp32."""
+    """Exponential moving average of the weights, in fp32. The decay warms up as (1 + step) / (10 + step), so a
+    short run is not dominated by its random initial weights."""
 
     def __init__(self, model, decay):
         self.decay = decay
         self.shadow = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
 
     @torch.no_grad()
-    def update(self, model):
+    def update(self, model, step):
+        decay = min(self.decay, (1 + step) / (10 + step))
         for k, v in model.state_dict().items():
             if v.is_floating_point():
-                self.shadow[k].lerp_(v.float(), 1 - self.decay)
+                self.shadow[k].lerp_(v.float(), 1 - decay)
             else:
                 self.shadow[k].copy_(v)
 
@@ -284,7 +286,7 @@ def add_training_args(parser, **defaults):
     a("--data", default="builtin", help="'builtin' shapes, a folder of images + .txt captions, or a .jsonl manifest")
     a("--resolution", type=int, default=32, help="training image size (square, centre-cropped)")
     a("--num_samples", type=int, default=20000, help="size of the built-in dataset")
-    a("--batch_size", type=int, default=64, help="per process")
+    a("--batch_size", type=int, default=32, help="per process")
     a("--accumulation_steps", type=int, default=1)
     a("--learning_rate", type=float, default=1e-3)
     a("--warmup_steps", type=int, default=100)
@@ -293,7 +295,7 @@ def add_training_args(parser, **defaults):
     a("--grad_clip", type=float, default=1.0)
     a("--epochs", type=int, default=4)
     a("--max_steps", type=int, default=0, help="optimizer steps; 0 = run --epochs")
-    a("--ema_decay", type=float, default=0.0, help="0 = no EMA; e.g. 0.999")
+    a("--ema_decay", type=float, default=0.995, help="EMA of the weights, exported and sampled; 0 = none")
     a("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
     a("--logit_mean", type=float, default=0.0)
     a("--logit_std", type=float, default=1.0)
@@ -307,7 +309,7 @@ def add_training_args(parser, **defaults):
     a("--save_dtype", default="bf16", choices=list(SAVE_DTYPES))
     a("--sample_interval", type=int, default=400, help="steps between sample grids; 0 = only at the end")
     a("--sample_steps", type=int, default=20)
-    a("--sample_cfg", type=float, default=4.0)
+    a("--sample_cfg", type=float, default=2.0, help="classifier-free guidance scale of the sample grids")
     a("--sample_shift", type=float, default=3.0)
     a("--out_dir", default=DEFAULT_OUT_DIR)
     a("--save_dir", default=DEFAULT_SAVE_DIR)
@@ -485,7 +487,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
                 optimizer.step()
                 if ema is not None:
-                    ema.update(model)
+                    ema.update(model, step)
                 now = time.perf_counter()
                 images_per_s, t_last = global_batch / (now - t_last), now
                 if info.is_main:
