@@ -70,6 +70,10 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
     losses = json.load(open(report))["losses"]
     assert len(losses) == 9 and all(0 < v < 10 for v in losses.values())
 
+    # a fresh run (no --from_resume) into the same folders starts its own metrics file
+    run(common + ["--max_steps", "2"])
+    assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2]
+
 
 def write_png(path, image):
     image.save(path)

@@ -400,10 +400,10 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
             log(f"resume with {info.world_size} processes and global batch {global_batch} (saved: "
                 f"{state['world_size']}, {state['global_batch']}): continuing at sample {consumed} of epoch {epoch}")
         log(f"resumed {resume_path} at step {step} (epoch {epoch}, {samples_seen} samples seen)")
-        if info.is_main:
-            truncate_metrics(metrics_path, step)
     elif args.from_resume:
         log(f"no resume file at {resume_path}: starting from scratch")
+    if info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
+        truncate_metrics(metrics_path, step)
 
     wandb_run = None
     if args.use_wandb and info.is_main:
@@ -524,7 +524,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
 
 
 def truncate_metrics(path, step):
-    """After a resume, drop metric rows past the resumed step (they belong to the lost tail of the old run)."""
+    """Drop metric rows past `step` (0 for a fresh run)."""
     if not os.path.exists(path):
         return
     with open(path, encoding="utf-8") as f:
