@@ -15,15 +15,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
-from model.rectified_flow import add_noise, flow_loss  # noqa: E402
+from model.rectified_flow import add_noise, flow_loss, to_velocity  # noqa: E402
 from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main  # noqa: E402
 
 SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
 
 @torch.no_grad()
-def quantile_losses(model, components, dataset, num_samples, batch_size, device, seed=0):
-    """{sigma: mean MSE} over the first num_samples items; noise is seeded per item and sigma."""
+def quantile_losses(model, components, dataset, num_samples, batch_size, device, prediction, seed=0):
+    """{sigma: mean MSE of the velocity} over the first num_samples items; noise is seeded per item and sigma."""
     n = min(num_samples, len(dataset))
     totals = {s: 0.0 for s in SIGMAS}
     for start in range(0, n, batch_size):
@@ -34,7 +34,8 @@ def quantile_losses(model, components, dataset, num_samples, batch_size, device,
             noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(
                 seed + 1000003 * k + start + j)) for j in range(len(items))]).to(device)
             sigma = torch.full((len(items),), s, device=device)
-            pred = model(add_noise(latents, noise, sigma), tokens, pooled, sigma * 1000)
+            noisy = add_noise(latents, noise, sigma)
+            pred = to_velocity(model(noisy, tokens, pooled, sigma * 1000), noisy, sigma, prediction)
             totals[s] += flow_loss(pred, latents, noise, sigma).item() * len(items)
     return {s: total / n for s, total in totals.items()}
 
@@ -59,7 +60,8 @@ def main():
                                 seed=args.seed, log=lambda msg: None)
     except DatasetError as e:
         raise UserError(str(e)) from None
-    losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device, args.seed)
+    losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device,
+                             record["prediction"], args.seed)
     mean = sum(losses.values()) / len(losses)
     name = f"{record['stage']}_{record['preset']}"
     print(f"{name} step {record['step']}, {min(args.num_samples, len(dataset))} samples of {args.data} "

@@ -44,7 +44,7 @@ def main():
                          args.shift if args.shift is not None else defaults["shift"])
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
     images = sample_images(model, components, all_prompts, seed=args.seed, steps=steps, cfg=cfg, shift=shift,
-                           resolution=record["resolution"], device=device)
+                           resolution=record["resolution"], device=device, prediction=record["prediction"])
     name = f"{record['stage']}_{record['preset']}"
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))

@@ -1,6 +1,9 @@
 """Rectified flow, as SD3 trains and samples it (REFERENCE section 3).
 
-    x_t = (1 - s) * x0 + s * noise,    the model predicts v = noise - x0,    its timestep input is s * 1000.
+    x_t = (1 - s) * x0 + s * noise,    the velocity is v = noise - x0,    the model's timestep input is s * 1000.
+
+The loss and the sampler work on velocities. The transformer outputs either v itself (prediction "v", SD3's own
+and what published SD3 weights do) or the clean latent x0 (prediction "x"), turned into v by `to_velocity`.
 """
 import math
 
@@ -25,6 +28,23 @@ def sample_sigmas(n, scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_
     else:
         raise ValueError(f"unknown sigma scheme {scheme!r}: use logit_normal, uniform or mode")
     return shift_sigmas(s, shift) if shift != 1.0 else s
+
+
+PREDICTIONS = ("x", "v")
+X_PREDICTION_MIN_SIGMA = 0.05
+
+
+def to_velocity(out, x_t, s, prediction):
+    """The velocity a model output stands for. "v": the output is v. "x": the output is the clean latent x0, and
+    v = (x_t - x0) / s. A small model learns x more easily where the latent is pixels: clean images are
+    simple, while v carries the full-dimensional noise (JiT, Li & He 2025). s is clamped so the division stays
+    bounded near the data end."""
+    if prediction == "v":
+        return out
+    if prediction != "x":
+        raise ValueError(f"unknown prediction {prediction!r}: use x or v")
+    s = s.float().clamp(min=X_PREDICTION_MIN_SIGMA).reshape(-1, *[1] * (x_t.dim() - 1))
+    return (x_t.float() - out.float()) / s
 
 
 def add_noise(x0, noise, s):
@@ -60,8 +80,9 @@ def sampling_sigmas(steps, shift=3.0, device="cpu"):
 
 
 @torch.no_grad()
-def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0):
-    """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text."""
+def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, prediction="v"):
+    """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text.
+    `prediction` says what the model outputs (see to_velocity)."""
     x = noise
     sigmas = sampling_sigmas(steps, shift, device=noise.device)
     use_cfg = cfg != 1.0
@@ -70,8 +91,8 @@ def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0):
         pooled = torch.cat([pooled, torch.zeros_like(pooled)])
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         model_in = torch.cat([x, x]) if use_cfg else x
-        t = (s * 1000).expand(model_in.shape[0])
-        v = model(model_in, tokens, pooled, t).float()
+        sigma = s.expand(model_in.shape[0])
+        v = to_velocity(model(model_in, tokens, pooled, sigma * 1000), model_in, sigma, prediction).float()
         if use_cfg:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + cfg * (v_cond - v_uncond)

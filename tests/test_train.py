@@ -11,8 +11,10 @@ from PIL import Image
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
-from model.rectified_flow import euler_sample, flow_loss, sample_sigmas
-from trainer.trainer_utils import EMA, EpochSampler, add_training_args, flow_matching_loss, lr_at
+from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
+from trainer.trainer_utils import (
+    EMA, EpochSampler, UserError, add_training_args, check_resume, flow_matching_loss, lr_at,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
@@ -49,6 +51,7 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
     assert len(state["rng"]) == 2 and all(v.dtype == torch.float32 for v in state["model"].values())
     record = json.load(open(os.path.join(out, "pretrain_tiny.json")))
     assert record["step"] == 4 and record["transformer"]["num_layers"] == 6 and record["ema"]
+    assert record["prediction"] == "x"  # the default; sampling and held-out loss read it from here
 
     resumed = run(common + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1"], torchrun=2)
     assert "at step 4" in resumed.stdout + resumed.stderr
@@ -126,6 +129,14 @@ def test_mismatched_resume_is_refused(tmp_path):
     assert result.returncode == 2 and "--preset small (saved) vs tiny (now)" in result.stderr
 
 
+def test_resume_with_another_prediction_is_refused():
+    # weights that predict v cannot go on training as x-prediction: the outputs would mean something else
+    args = add_training_args(__import__("argparse").ArgumentParser()).parse_args(["--prediction", "x"])
+    state = {"kind": "resume", "stage": "pretrain", "args": {**vars(args), "prediction": "v"}}
+    with pytest.raises(UserError, match=r"--prediction v \(saved\) vs x \(now\)"):
+        check_resume(state, args, "pretrain")
+
+
 def test_resume_file_with_pickled_object_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -191,6 +202,21 @@ def test_sigma_schemes_and_losses():
             assert flow_loss(perfect, x0, noise, s, loss_type, weighting).item() == pytest.approx(0, abs=1e-6)
 
 
+def test_x_prediction_stands_for_the_true_velocity():
+    # a model that outputs the clean latent exactly gives the exact velocity, down to the clamp at s = 0.05
+    x0, noise = torch.randn(5, 3, 8, 8), torch.randn(5, 3, 8, 8)
+    s = torch.tensor([1.0, 0.7, 0.3, 0.1, 0.05])
+    v = to_velocity(x0, add_noise(x0, noise, s), s, "x")
+    torch.testing.assert_close(v, noise - x0, rtol=0, atol=1e-5)
+    assert flow_loss(v, x0, noise, s).item() == pytest.approx(0, abs=1e-9)
+    assert to_velocity(x0, x0 + noise, s, "v") is x0  # "v": the output is already the velocity
+    # below the clamp the division stays bounded: no huge velocities from a tiny s
+    tiny = torch.tensor([1e-6])
+    assert to_velocity(x0[:1], add_noise(x0[:1], noise[:1], tiny), tiny, "x").abs().max() < 1
+    with pytest.raises(ValueError, match="unknown prediction"):
+        to_velocity(x0, x0, s, "eps")
+
+
 def test_euler_sampler_follows_an_exact_velocity_field():
     # for a model that predicts the true velocity towards a fixed x0, Euler lands exactly on x0
     x0 = torch.randn(2, 3, 4, 4)
@@ -201,6 +227,14 @@ def test_euler_sampler_follows_an_exact_velocity_field():
 
     out = euler_sample(model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8), steps=10, cfg=3.0)
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-4)
+
+    # the same for a model that outputs x0 itself (x-prediction): its last step lands on its output
+    def x_model(x, tokens, pooled, t):
+        return x0.repeat(x.shape[0] // 2, 1, 1, 1)
+
+    out = euler_sample(x_model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8), steps=10, cfg=3.0,
+                       prediction="x")
+    torch.testing.assert_close(out, x0, rtol=0, atol=1e-5)
 
 
 class NaNImages(torch.utils.data.Dataset):

@@ -21,7 +21,9 @@ if REPO_ROOT not in sys.path:
 from model.components import build_components, drop_captions  # noqa: E402
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
 from model.model_sd3light import SD3Light, SD3LightConfig  # noqa: E402
-from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas  # noqa: E402
+from model.rectified_flow import (  # noqa: E402
+    PREDICTIONS, add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity,
+)
 
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
@@ -183,6 +185,7 @@ def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
     paths = resolve_weights(name_or_path, out_dir)
     with open(paths["config"], encoding="utf-8") as f:
         record = json.load(f)
+    record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
     model = SD3Light(SD3LightConfig.from_dict(record["transformer"]))
     state = read_safetensors(paths["weights"], expect_step=record["step"])
     model.load_state_dict({k: v.float() for k, v in state.items()})
@@ -235,8 +238,9 @@ class EMA:
 # Sample grids
 
 
-def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device):
-    """Generate one image per prompt with fixed noise (seeded per prompt index) -> images in [-1, 1] on CPU."""
+def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction):
+    """Generate one image per prompt with fixed noise (seeded per prompt index) -> images in [-1, 1] on CPU.
+    `prediction` is what the model outputs, "x" or "v" (its weights record says which)."""
     was_training = model.training
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
@@ -244,7 +248,8 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
         shape = components.encode_images(torch.zeros(1, 3, resolution, resolution, device=device)).shape[1:]
     noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
                          for i in range(len(prompts))]).to(device)
-    latents = euler_sample(model, noise, tokens.to(device), pooled.to(device), steps=steps, cfg=cfg, shift=shift)
+    latents = euler_sample(model, noise, tokens.to(device), pooled.to(device), steps=steps, cfg=cfg, shift=shift,
+                           prediction=prediction)
     model.train(was_training)
     return components.decode_latents(latents).float().cpu()
 
@@ -293,13 +298,15 @@ def add_training_args(parser, **defaults):
     a("--min_lr_ratio", type=float, default=0.1, help="cosine decays to this fraction of the learning rate")
     a("--weight_decay", type=float, default=0.0)
     a("--grad_clip", type=float, default=1.0)
-    a("--epochs", type=int, default=3)
+    a("--epochs", type=int, default=4)
     a("--max_steps", type=int, default=0, help="optimizer steps; 0 = run --epochs")
     a("--ema_decay", type=float, default=0.995, help="EMA of the weights, exported and sampled; 0 = none")
     a("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
     a("--logit_mean", type=float, default=0.0)
     a("--logit_std", type=float, default=1.0)
     a("--train_shift", type=float, default=1.0, help="shift applied to training sigmas")
+    a("--prediction", default="x", choices=PREDICTIONS, help="what the transformer outputs: x = the clean latent "
+      "(cleaner images, steadier shapes in pixel space), v = the velocity (SD3's own, and published SD3 weights')")
     a("--loss", default="mse", choices=["mse", "huber"])
     a("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
     a("--caption_dropout", type=float, default=0.1, help="probability of training a sample unconditionally")
@@ -323,7 +330,7 @@ def add_training_args(parser, **defaults):
 
 
 # Settings that define a run: resuming with a different value would silently train something else.
-RESUME_MUST_MATCH = ("preset", "resolution", "data")
+RESUME_MUST_MATCH = ("preset", "resolution", "data", "prediction")
 
 
 def check_resume(state, args, stage):
@@ -351,9 +358,10 @@ def flow_matching_loss(model, components, batch, generator, args, device, autoca
     noise = torch.randn(latents.shape, generator=generator).to(device)
     s = sample_sigmas(len(captions), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
                       generator=generator).to(device)
+    noisy = add_noise(latents, noise, s)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        pred = model(add_noise(latents, noise, s), tokens, pooled, s * 1000)
-    return flow_loss(pred, latents, noise, s, args.loss, args.weighting)
+        out = model(noisy, tokens, pooled, s * 1000)
+    return flow_loss(to_velocity(out, noisy, s, args.prediction), latents, noise, s, args.loss, args.weighting)
 
 
 def train(args, stage, model, components, dataset, info, log, sample_prompts):
@@ -430,7 +438,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
             return
         export = ema.shadow if ema is not None else model.state_dict()
         record = {"stage": stage, "preset": args.preset, "step": step, "samples_seen": samples_seen,
-                  "resolution": args.resolution, "ema": ema is not None, "save_dtype": args.save_dtype,
+                  "resolution": args.resolution, "prediction": args.prediction, "ema": ema is not None,
+                  "save_dtype": args.save_dtype,
                   "transformer": model.config.to_dict(), "components": components.spec,
                   "sampling": {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift},
                   "args": vars(args)}
@@ -451,7 +460,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
             sampler_model.load_state_dict(ema.shadow)
         images = sample_images(sampler_model, components, sample_prompts, seed=args.seed, steps=args.sample_steps,
                                cfg=args.sample_cfg, shift=args.sample_shift, resolution=args.resolution,
-                               device=device)
+                               device=device, prediction=args.prediction)
         path = os.path.join(args.out_dir, "samples", f"{name}_step{step:06d}.png")
         save_grid(path, images, sample_prompts)
         log(f"sample grid: {path}")
