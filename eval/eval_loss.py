@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
-from model.rectified_flow import add_noise, flow_loss, to_velocity  # noqa: E402
+from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main  # noqa: E402
 
 SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
@@ -34,8 +34,7 @@ def quantile_losses(model, components, dataset, num_samples, batch_size, device,
             noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(
                 seed + 1000003 * k + start + j)) for j in range(len(items))]).to(device)
             sigma = torch.full((len(items),), s, device=device)
-            noisy = add_noise(latents, noise, sigma)
-            pred = to_velocity(model(noisy, tokens, pooled, sigma * 1000), noisy, sigma, prediction)
+            pred = predict_velocity(model, add_noise(latents, noise, sigma), tokens, pooled, sigma, prediction)
             totals[s] += flow_loss(pred, latents, noise, sigma).item() * len(items)
     return {s: total / n for s, total in totals.items()}
 

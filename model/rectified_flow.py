@@ -47,6 +47,11 @@ def to_velocity(out, x_t, s, prediction):
     return (x_t.float() - out.float()) / s
 
 
+def predict_velocity(model, x_t, tokens, pooled, s, prediction):
+    """The model's velocity at noisy latents x_t and sigmas s [B] (its timestep input is s * 1000)."""
+    return to_velocity(model(x_t, tokens, pooled, s * 1000), x_t, s, prediction)
+
+
 def add_noise(x0, noise, s):
     s = s.view(-1, *[1] * (x0.dim() - 1))
     return (1 - s) * x0 + s * noise
@@ -91,8 +96,7 @@ def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, pre
         pooled = torch.cat([pooled, torch.zeros_like(pooled)])
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         model_in = torch.cat([x, x]) if use_cfg else x
-        sigma = s.expand(model_in.shape[0])
-        v = to_velocity(model(model_in, tokens, pooled, sigma * 1000), model_in, sigma, prediction).float()
+        v = predict_velocity(model, model_in, tokens, pooled, s.expand(model_in.shape[0]), prediction).float()
         if use_cfg:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + cfg * (v_cond - v_uncond)

@@ -22,7 +22,7 @@ from model.components import build_components, drop_captions  # noqa: E402
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
 from model.model_sd3light import SD3Light, SD3LightConfig  # noqa: E402
 from model.rectified_flow import (  # noqa: E402
-    PREDICTIONS, add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity,
+    PREDICTIONS, add_noise, euler_sample, flow_loss, predict_velocity, sample_sigmas,
 )
 
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
@@ -358,10 +358,9 @@ def flow_matching_loss(model, components, batch, generator, args, device, autoca
     noise = torch.randn(latents.shape, generator=generator).to(device)
     s = sample_sigmas(len(captions), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
                       generator=generator).to(device)
-    noisy = add_noise(latents, noise, s)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        out = model(noisy, tokens, pooled, s * 1000)
-    return flow_loss(to_velocity(out, noisy, s, args.prediction), latents, noise, s, args.loss, args.weighting)
+        pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, args.prediction)
+    return flow_loss(pred, latents, noise, s, args.loss, args.weighting)
 
 
 def train(args, stage, model, components, dataset, info, log, sample_prompts):
