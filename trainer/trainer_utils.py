@@ -4,15 +4,15 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -20,9 +20,13 @@ if REPO_ROOT not in sys.path:
 
 from model.components import build_components, drop_captions  # noqa: E402
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
-from model.model_sd3light import SD3Light, SD3LightConfig  # noqa: E402
+from model.model_sd3light import SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict  # noqa: E402
 from model.rectified_flow import (  # noqa: E402
     PREDICTIONS, add_noise, euler_sample, flow_loss, predict_velocity, sample_sigmas,
+)
+from trainer.checkpoint import (  # noqa: E402
+    CheckpointError, checkpoint_file, load_safetensors, load_torch, manifest_path, read_manifest, remove_leftovers,
+    save_checkpoint, stem_of,
 )
 
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
@@ -38,9 +42,12 @@ def run_main(main):
     """Run a stage's main(): user errors become one line on stderr and exit code 2."""
     try:
         main()
-    except UserError as e:
+    except (UserError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now; the last committed checkpoint is intact
+        print("interrupted: the last saved checkpoint is intact; continue with --from_resume 1", file=sys.stderr)
+        sys.exit(130)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -74,13 +81,41 @@ def init_distributed():
     return DistInfo(rank, local_rank, world, torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
 
 
-def all_mean(value, info):
-    """Mean of a float over ranks."""
+def mean_and_any(value, flag, info):
+    """(mean of a float over ranks, whether `flag` is set on any rank), in one all-reduce."""
     if info.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=info.device)
+        return value, bool(flag)
+    t = torch.tensor([value, float(flag)], dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
-    return t.item() / info.world_size
+    return t[0].item() / info.world_size, t[1].item() > 0
+
+
+class StopSignal:
+    """SIGTERM and SIGINT (what schedulers send before pre-emption, and Ctrl-C) only set `received`: the loop
+    saves at the next step boundary and returns, so every rank exits 0. A second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.received, self.previous = None, {}
+
+    def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.previous[signum] = signal.signal(signum, self.handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def ignore_sigint(worker_id):
+    """Data loader workers leave Ctrl-C to the main process, which stops cleanly."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class Logger:
@@ -137,83 +172,108 @@ class EpochSampler(torch.utils.data.Sampler):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Saving and loading (every write atomic: temp file, fsync, os.replace)
+# Weights and resume checkpoints (trainer/checkpoint.py: verified files, committed by a manifest)
 
 
-def weights_paths(out_dir, name):
-    stem = os.path.join(out_dir, name)
-    return {"weights": stem + ".safetensors", "components": stem + ".components.safetensors",
-            "config": stem + ".json"}
+def weights_stem(out_dir, name):
+    return os.path.join(out_dir, name)
 
 
-def save_weights(out_dir, name, model_state, components_state, record, dtype):
-    """Export for sampling and fine-tuning: transformer weights (diffusers key names, `dtype`), the trained parts
-    of the components, and a JSON record that rebuilds both. The JSON is written last and names the step, which
-    the weights files carry too, so a crash mid-save can never pass a mixed set as whole."""
-    if not model_state:
-        raise RuntimeError("refusing to save an empty state dict")
-    paths = weights_paths(out_dir, name)
-    meta = {"step": str(record["step"])}
+def resume_stem(save_dir, name):
+    return os.path.join(save_dir, f"{name}_resume")
+
+
+def save_weights(stem, step, model, state, components_state, record, dtype):
+    """Export for sampling and fine-tuning: transformer weights `state` (the model's keys, diffusers names) in
+    `dtype`, the trained parts of the components, and `record`, which rebuilds both. `state` must fit `model`
+    exactly (every parameter and buffer, right shapes): an empty or partial state dict never reaches the disk."""
+    check_state_dict(model, state)
     tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
-               for k, v in model_state.items()}
-    with atomic_path(paths["weights"]) as tmp:
-        save_file(tensors, tmp, metadata=meta)
+               for k, v in state.items()}
+    parts = {".safetensors": tensors}
     if components_state:
-        with atomic_path(paths["components"]) as tmp:
-            save_file({k: v.contiguous().cpu() for k, v in components_state.items()}, tmp, metadata=meta)
-    atomic_write_text(paths["config"], json.dumps(record, indent=2) + "\n")
-    return paths
+        parts[".components.safetensors"] = {k: v.detach().contiguous().cpu() for k, v in components_state.items()}
+    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts)
 
 
 def resolve_weights(name_or_path, out_dir):
-    """A stage name ('pretrain_tiny'), a .json/.safetensors path, or a stem -> the weights paths."""
-    stem = name_or_path
-    for suffix in (".components.safetensors", ".safetensors", ".json"):
-        if stem.endswith(suffix):
-            stem = stem[: -len(suffix)]
-            break
-    if not os.path.dirname(stem) and not os.path.exists(stem + ".json"):
+    """A stage name ('pretrain_tiny'), or the path of the manifest, one of its files or the stem -> the stem."""
+    stem = stem_of(name_or_path)
+    if not os.path.dirname(stem) and not os.path.exists(manifest_path(stem)):
         stem = os.path.join(out_dir, stem)
-    paths = weights_paths(os.path.dirname(stem) or ".", os.path.basename(stem))
-    if not os.path.exists(paths["config"]) or not os.path.exists(paths["weights"]):
-        raise UserError(f"no weights at {stem}(.json/.safetensors): train a stage first or pass the right path")
-    return paths
+    if not os.path.exists(manifest_path(stem)):
+        raise UserError(f"no weights at {manifest_path(stem)}: train a stage first or pass the right path")
+    return stem
 
 
 def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
-    """-> (SD3Light in fp32, components, record). Strict: every key must fit."""
-    paths = resolve_weights(name_or_path, out_dir)
-    with open(paths["config"], encoding="utf-8") as f:
-        record = json.load(f)
+    """-> (SD3Light in fp32, components, record). Files checked against their manifest; strict: every key fits."""
+    stem = resolve_weights(name_or_path, out_dir)
+    record = read_manifest(stem, "weights")
     record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
     model = SD3Light(SD3LightConfig.from_dict(record["transformer"]))
-    state = read_safetensors(paths["weights"], expect_step=record["step"])
-    model.load_state_dict({k: v.float() for k, v in state.items()})
     components = build_components(record["components"])
-    if os.path.exists(paths["components"]):
-        components.load_trained_state_dict(read_safetensors(paths["components"], expect_step=record["step"]))
+    try:
+        model.load_state_dict({k: v.float() for k, v in
+                               load_safetensors(checkpoint_file(stem, record, ".safetensors")).items()})
+        if os.path.exists(checkpoint_file(stem, record, ".components.safetensors")):
+            components.load_trained_state_dict(
+                load_safetensors(checkpoint_file(stem, record, ".components.safetensors")))
+    except (StateDictMismatchError, RuntimeError) as e:
+        raise UserError(f"{manifest_path(stem)}: {str(e).splitlines()[0][:400]}") from None
     return model.to(device).eval(), components.to(device), record
 
 
-def read_safetensors(path, expect_step=None):
-    with safe_open(path, framework="pt") as f:
-        step = (f.metadata() or {}).get("step")
-        if expect_step is not None and step != str(expect_step):
-            raise UserError(f"{path} is from step {step} but its config names step {expect_step}: a save was "
-                            "interrupted; use the resume checkpoint or retrain")
-        return {k: f.get_tensor(k) for k in f.keys()}
+def to_cpu(obj):
+    """A nested state with every tensor on the CPU (what a resume file holds)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
-def save_resume(path, state):
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-
-
-def load_resume(path):
+def find_resume(from_resume, default_stem, info):
+    """-> (stem, state) of the resume checkpoint to continue, or (stem, None) to start fresh. `from_resume` is
+    "0", "1" (the default checkpoint, if there is one) or a path. Every process reads the file itself, so the
+    save folder must be one that every node sees; if any process fails, all stop with a one-line error."""
+    if from_resume in ("0", ""):
+        return default_stem, None
+    stem = default_stem if from_resume == "1" else stem_of(from_resume)
+    error, state = None, None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a pickled object, a truncated or foreign file
-        raise UserError(f"cannot read resume file {path}: {str(e).splitlines()[0][:200]}") from None
+        if from_resume != "1" or os.path.exists(manifest_path(stem)):
+            state = load_torch(checkpoint_file(stem, read_manifest(stem, "resume"), ".pt"))
+    except CheckpointError as e:
+        error = str(e)
+    ok, found = error is None, state is not None
+    if info.world_size > 1:
+        counts = torch.tensor([ok, found], dtype=torch.float64, device=info.device)
+        dist.all_reduce(counts)
+        ok, found = counts[0].item() == info.world_size, counts[1].item()
+        if error is None and ok and 0 < found < info.world_size:
+            raise UserError(f"only {found:.0f} of {info.world_size} processes see {manifest_path(stem)}: "
+                            "--save_dir must be on a filesystem that every node sees")
+    if error is not None:
+        raise CheckpointError(error)
+    if not ok:
+        raise UserError("another process could not read the resume checkpoint (its error is above)")
+    return stem, state
+
+
+def rng_state(generator, device):
+    """This process's random streams: the training generator (sigmas, noise, caption dropout) and torch's own."""
+    return {"train": generator.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_state(state, generator, device):
+    generator.set_state(state["train"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 class EMA:
@@ -320,7 +380,12 @@ def add_training_args(parser, **defaults):
     a("--sample_shift", type=float, default=3.0)
     a("--out_dir", default=DEFAULT_OUT_DIR)
     a("--save_dir", default=DEFAULT_SAVE_DIR)
-    a("--from_resume", type=int, default=0, help="1 = continue from the resume file in --save_dir if there is one")
+    a("--from_resume", default="0", help="1 = continue from the resume checkpoint in --save_dir if there is one; "
+      "or the path of a resume checkpoint (its .json)")
+    a("--force_resume", type=int, default=0, help="1 = resume even though recipe settings (learning rate, batch "
+      "size, schedule...) changed; preset, resolution, data and prediction can never change")
+    a("--log_sample_ids", type=int, default=0, help="1 = record in the metrics file which dataset indices each step "
+      "trained on (to audit the data order across resumes)")
     a("--seed", type=int, default=0)
     a("--num_workers", type=int, default=0, help="data loader processes (0 on a small CPU)")
     a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")
@@ -329,19 +394,39 @@ def add_training_args(parser, **defaults):
     return parser
 
 
-# Settings that define a run: resuming with a different value would silently train something else.
-RESUME_MUST_MATCH = ("preset", "resolution", "data", "prediction")
+# What a run is: resuming with another value would continue something else, so it is always refused.
+RESUME_IDENTITY = ("preset", "resolution", "data", "prediction")
+# Settings that do not change what is trained (paths, saving, sampling, hardware use). Every other argument is
+# part of the recipe: a change is refused unless --force_resume 1, so a typo cannot silently alter a run.
+RESUME_FREE = {"out_dir", "save_dir", "from_resume", "force_resume", "save_interval", "save_dtype",
+               "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "num_workers", "dtype",
+               "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids"}
 
 
-def check_resume(state, args, stage):
-    if state.get("kind") != "resume":
+def check_resume(state, args, stage, dataset_size):
+    """Raise a one-line UserError if `state` cannot continue this run; -> the recipe changes accepted by
+    --force_resume (empty when nothing changed)."""
+    if not isinstance(state, dict) or state.get("kind") != "resume":
         raise UserError("the resume file is not a MiniSD3 resume checkpoint")
     if state["stage"] != stage:
-        raise UserError(f"the resume file is from stage '{state['stage']}', not '{stage}'")
-    diffs = [f"--{k} {state['args'][k]} (saved) vs {getattr(args, k)} (now)"
-             for k in RESUME_MUST_MATCH if state["args"].get(k) != getattr(args, k)]
-    if diffs:
-        raise UserError("cannot resume, the run was started with other settings: " + "; ".join(diffs))
+        raise UserError(f"the resume checkpoint is from stage '{state['stage']}', not '{stage}'")
+    saved, now = state["args"], vars(args)
+
+    def change(k):
+        return f"--{k} {saved.get(k)} (saved) vs {now.get(k)} (now)"
+
+    identity = [change(k) for k in RESUME_IDENTITY if saved.get(k) != now.get(k)]
+    if identity:
+        raise UserError("cannot resume, the run was started with other settings: " + "; ".join(identity) +
+                        " (start a fresh run to change them)")
+    recipe = [change(k) for k in sorted(set(saved) | set(now))
+              if k not in RESUME_FREE and k not in RESUME_IDENTITY and saved.get(k) != now.get(k)]
+    if state["dataset_size"] != dataset_size:
+        recipe.append(f"dataset size {state['dataset_size']} (saved) vs {dataset_size} (now)")
+    if recipe and not args.force_resume:
+        raise UserError("cannot resume with changed settings: " + "; ".join(recipe) +
+                        " (pass --force_resume 1 to continue with the new values)")
+    return recipe
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -364,12 +449,15 @@ def flow_matching_loss(model, components, batch, generator, args, device, autoca
 
 
 def train(args, stage, model, components, dataset, info, log, sample_prompts):
-    """Train `model` on `dataset`; save weights to out_dir/<stage>_<preset>.* and resume state to save_dir.
-    `log` is a Logger (or any callable taking a message); `sample_prompts` fill the sample grids."""
+    """Train `model` on `dataset`; save weights to out_dir/<stage>_<preset>.* and the resume checkpoint to
+    save_dir/<stage>_<preset>_resume.*. `log` is a Logger (or any callable taking a message); `sample_prompts`
+    fill the sample grids. Returns the step reached (short of the end if a stop signal came)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from tqdm import tqdm
 
     name, device = f"{stage}_{args.preset}", info.device
+    weights_at, resume_at = weights_stem(args.out_dir, name), resume_stem(args.save_dir, name)
+    metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
     model.to(device).train()
     components.to(device)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
@@ -378,37 +466,49 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel for all parameters, on CPU too (a quarter of the per-step optimizer time of foreach)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
-    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
     global_batch = args.batch_size * args.accumulation_steps * info.world_size
-    steps_per_epoch = len(dataset) // global_batch
-    if steps_per_epoch == 0:
+    if len(dataset) < global_batch:
         raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch} = "
                         "batch_size x accumulation_steps x processes): lower --batch_size")
-    total_steps = args.max_steps if args.max_steps > 0 else args.epochs * steps_per_epoch
     generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, caption dropout
+    # Progress: optimizer steps taken, samples seen (all ranks), the epoch and how far into its permutation.
+    # The schedule counts samples, in steps of the global batch the run started with (plan_batch), so a resume
+    # with another world size or batch size continues the same schedule and the same epoch.
     step = epoch = consumed = samples_seen = 0
-    wandb_id = None
-    resume_path = os.path.join(args.save_dir, f"{name}_resume.pt")
-    metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
-
-    if args.from_resume and os.path.exists(resume_path):
-        state = load_resume(resume_path)
-        check_resume(state, args, stage)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if ema is not None and state.get("ema"):
-            ema.shadow = state["ema"]
+    plan_batch, wandb_id, ema_shadow = global_batch, None, None
+    if info.is_main:  # whatever a killed run left half-written
+        for stem in (weights_at, resume_at, os.path.join(args.out_dir, "samples", name)):
+            remove_leftovers(stem)
+    resume_from, state = find_resume(str(args.from_resume), resume_at, info)  # saves still go to resume_at
+    if state is not None:
+        for change in check_resume(state, args, stage, len(dataset)):
+            log(f"warning: resuming with a changed setting (--force_resume): {change}")
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+        except ValueError as e:  # strict: names the keys that do not fit
+            raise UserError(f"{manifest_path(resume_from)} does not fit this model: {' '.join(str(e).split())[:400]}") \
+                from None
         step, epoch, consumed, samples_seen = state["step"], state["epoch"], state["consumed"], state["samples_seen"]
-        wandb_id = state.get("wandb_id")
+        plan_batch, wandb_id, ema_shadow = state["plan_batch"], state["wandb_id"], state["ema"]
         if state["world_size"] == info.world_size and state["global_batch"] == global_batch:
-            generator.set_state(state["rng"][info.rank])
+            set_rng_state(state["rng"][info.rank], generator, device)
         else:  # the data position carries over exactly; the noise stream restarts, seeded by step and rank
             generator.manual_seed(args.seed * 1000 + info.rank + 7919 * step)
-            log(f"resume with {info.world_size} processes and global batch {global_batch} (saved: "
-                f"{state['world_size']}, {state['global_batch']}): continuing at sample {consumed} of epoch {epoch}")
-        log(f"resumed {resume_path} at step {step} (epoch {epoch}, {samples_seen} samples seen)")
-    elif args.from_resume:
-        log(f"no resume file at {resume_path}: starting from scratch")
+            log(f"resuming with {info.world_size} process(es) and global batch {global_batch} (saved: "
+                f"{state['world_size']}, {state['global_batch']}): {samples_seen} samples seen, epoch {epoch} "
+                f"continues at sample {consumed} of its permutation")
+        log(f"resumed {manifest_path(resume_from)} at step {step} (epoch {epoch}, {samples_seen} samples seen)")
+    elif args.from_resume == "1":
+        log(f"no resume checkpoint at {manifest_path(resume_at)}: starting from scratch")
+    elif os.path.exists(manifest_path(resume_at)):
+        log(f"warning: starting a fresh run; the resume checkpoint at {manifest_path(resume_at)} will be replaced "
+            "at the first save (pass --from_resume 1 to continue it instead)")
+    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    if ema is not None and ema_shadow is not None:
+        ema.shadow = ema_shadow
+    plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * (len(dataset) // plan_batch)
+    total_samples = plan_steps * plan_batch
     if info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
         truncate_metrics(metrics_path, step)
 
@@ -424,31 +524,36 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
         os.makedirs(args.out_dir, exist_ok=True)
     train_model = DDP(model) if info.world_size > 1 else model
     sampler = EpochSampler(len(dataset), info.rank, info.world_size, seed=args.seed)
+    steps_left = math.ceil((total_samples - samples_seen) / global_batch)
     log(f"{stage}: {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters, {len(dataset)} samples, "
-        f"global batch {global_batch}, {total_steps} steps, {info.world_size} process(es) on {device.type}")
+        f"global batch {global_batch}, {step + steps_left} steps, {info.world_size} process(es) on {device.type}")
 
     def save():
         rng = [None] * info.world_size
         if info.world_size > 1:
-            dist.all_gather_object(rng, generator.get_state())
+            dist.all_gather_object(rng, rng_state(generator, device))
         else:
-            rng = [generator.get_state()]
+            rng = [rng_state(generator, device)]
         if not info.is_main:
             return
-        export = ema.shadow if ema is not None else model.state_dict()
-        record = {"stage": stage, "preset": args.preset, "step": step, "samples_seen": samples_seen,
-                  "resolution": args.resolution, "prediction": args.prediction, "ema": ema is not None,
-                  "save_dtype": args.save_dtype,
+        t0 = time.perf_counter()
+        record = {"stage": stage, "preset": args.preset, "samples_seen": samples_seen, "resolution": args.resolution,
+                  "prediction": args.prediction, "ema": ema is not None, "save_dtype": args.save_dtype,
                   "transformer": model.config.to_dict(), "components": components.spec,
                   "sampling": {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift},
                   "args": vars(args)}
-        save_weights(args.out_dir, name, export, components.trained_state_dict(), record, SAVE_DTYPES[args.save_dtype])
-        save_resume(resume_path, {
-            "kind": "resume", "stage": stage, "step": step, "epoch": epoch, "consumed": consumed,
-            "samples_seen": samples_seen, "world_size": info.world_size, "global_batch": global_batch,
-            "model": {k: v.float() for k, v in model.state_dict().items()}, "optimizer": optimizer.state_dict(),
-            "ema": ema.shadow if ema is not None else None, "lr": optimizer.param_groups[0]["lr"], "rng": rng,
-            "wandb_id": wandb_id, "args": vars(args)})
+        resume = {"kind": "resume", "stage": stage, "step": step, "epoch": epoch, "consumed": consumed,
+                  "samples_seen": samples_seen, "world_size": info.world_size, "global_batch": global_batch,
+                  "plan_batch": plan_batch, "dataset_size": len(dataset), "model": to_cpu(model.state_dict()),
+                  "optimizer": to_cpu(optimizer.state_dict()), "ema": to_cpu(ema.shadow) if ema is not None else None,
+                  "rng": to_cpu(rng), "wandb_id": wandb_id, "args": vars(args)}
+        check_state_dict(model, resume["model"])
+        # the resume checkpoint first: if the weights export is cut short, training can still continue
+        written = save_checkpoint(resume_at, step, {"kind": "resume", "stage": stage, "preset": args.preset,
+                                                    "samples_seen": samples_seen}, {".pt": resume})
+        written += save_weights(weights_at, step, model, ema.shadow if ema is not None else model.state_dict(),
+                                components.trained_state_dict(), record, SAVE_DTYPES[args.save_dtype])
+        log(f"saved step {step}: {written / 1e6:.0f} MB written and verified in {time.perf_counter() - t0:.1f} s")
 
     def sample_grid():
         if not info.is_main:
@@ -464,61 +569,77 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
         save_grid(path, images, sample_prompts)
         log(f"sample grid: {path}")
 
-    bar = tqdm(total=total_steps, initial=step, desc=stage, dynamic_ncols=True) if info.is_main else None
+    bar = tqdm(total=step + steps_left, initial=step, desc=stage, dynamic_ncols=True) if info.is_main else None
     if isinstance(log, Logger):
         log.bar = bar  # messages go through the bar while it shows
-    nan_streak, t_last = 0, time.perf_counter()
-    while step < total_steps:
-        if consumed + global_batch > len(dataset):
-            epoch, consumed = epoch + 1, 0
-        sampler.set_position(epoch, consumed)
-        loader = iter(torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                                                  num_workers=args.num_workers, drop_last=True))
-        while step < total_steps and consumed + global_batch <= len(dataset):
-            lr = lr_at(step, total_steps, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = 0.0
-            for micro in range(args.accumulation_steps):
-                last = micro == args.accumulation_steps - 1
-                # gradients are all-reduced once per step, on the last micro-batch
-                sync = contextlib.nullcontext() if last or info.world_size == 1 else train_model.no_sync()
-                with sync:
-                    loss = flow_matching_loss(train_model, components, next(loader), generator, args, device,
-                                              autocast_dtype)
-                    (loss / args.accumulation_steps).backward()
-                loss_sum += loss.item()
-            loss_mean = all_mean(loss_sum / args.accumulation_steps, info)
-            step, consumed, samples_seen = step + 1, consumed + global_batch, samples_seen + global_batch
-            if math.isfinite(loss_mean):
-                nan_streak = 0
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
-                optimizer.step()
-                if ema is not None:
-                    ema.update(model, step)
-                now = time.perf_counter()
-                images_per_s, t_last = global_batch / (now - t_last), now
-                if info.is_main:
-                    row = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
-                           "images_per_s": images_per_s, "samples_seen": samples_seen}
-                    with open(metrics_path, "a", encoding="utf-8") as f:
-                        f.write(json.dumps(row) + "\n")
-                    bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}")
-                    if wandb_run is not None:
-                        wandb_run.log(row, step=step)
-            else:  # skip the update on every rank alike (the loss is averaged over ranks); the batch is used up
-                nan_streak += 1
-                log(f"warning: loss is {loss_mean} at step {step}; update skipped ({nan_streak} in a row)")
-                if nan_streak >= 10:
-                    raise UserError(f"loss was not finite for {nan_streak} steps in a row (last good save in "
-                                    f"{args.save_dir}): lower --learning_rate or check the data")
-            optimizer.zero_grad(set_to_none=True)
-            if bar is not None:
-                bar.update(1)
-            if step % args.save_interval == 0 or step == total_steps:
-                save()
-            if (args.sample_interval and step % args.sample_interval == 0) or step == total_steps:
-                sample_grid()
+    nan_streak, t_last, stop = 0, time.perf_counter(), False
+    with StopSignal() as stop_signal:
+        while samples_seen < total_samples and not stop:
+            if consumed + global_batch > len(dataset):
+                epoch, consumed = epoch + 1, 0
+            sampler.set_position(epoch, consumed)
+            mine = list(sampler)  # this rank's share of the rest of the epoch, in micro-batches
+            batches = [mine[i:i + args.batch_size] for i in range(0, len(mine) - args.batch_size + 1, args.batch_size)]
+            loader = zip(batches, torch.utils.data.DataLoader(
+                dataset, batch_sampler=batches, num_workers=args.num_workers, worker_init_fn=ignore_sigint,
+                generator=torch.Generator().manual_seed(args.seed)))  # its own generator: torch's stream untouched
+            while samples_seen < total_samples and consumed + global_batch <= len(dataset) and not stop:
+                lr = lr_at(samples_seen / plan_batch, plan_steps, args.learning_rate, args.warmup_steps,
+                           args.min_lr_ratio)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                loss_sum, ids = 0.0, []
+                for micro in range(args.accumulation_steps):
+                    last = micro == args.accumulation_steps - 1
+                    # gradients are all-reduced once per step, on the last micro-batch
+                    sync = contextlib.nullcontext() if last or info.world_size == 1 else train_model.no_sync()
+                    batch_ids, batch = next(loader)
+                    with sync:
+                        loss = flow_matching_loss(train_model, components, batch, generator, args, device,
+                                                  autocast_dtype)
+                        (loss / args.accumulation_steps).backward()
+                    loss_sum += loss.item()
+                    ids += batch_ids
+                # one all-reduce: the mean loss, and whether any rank was asked to stop
+                loss_mean, stop = mean_and_any(loss_sum / args.accumulation_steps,
+                                               stop_signal.received is not None, info)
+                if args.log_sample_ids and info.world_size > 1:
+                    per_rank = [None] * info.world_size
+                    dist.all_gather_object(per_rank, ids)
+                    ids = [i for rank_ids in per_rank for i in rank_ids]
+                step, consumed, samples_seen = step + 1, consumed + global_batch, samples_seen + global_batch
+                if math.isfinite(loss_mean):
+                    nan_streak = 0
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
+                    optimizer.step()
+                    if ema is not None:
+                        ema.update(model, step)
+                    now = time.perf_counter()
+                    images_per_s, t_last = global_batch / (now - t_last), now
+                    if info.is_main:
+                        row = {"step": step, "epoch": epoch, "loss": loss_mean, "lr": lr, "grad_norm": grad_norm,
+                               "images_per_s": images_per_s, "samples_seen": samples_seen}
+                        if args.log_sample_ids:
+                            row["sample_ids"] = ids
+                        with open(metrics_path, "a", encoding="utf-8") as f:
+                            f.write(json.dumps(row) + "\n")
+                        bar.set_postfix(loss=f"{loss_mean:.4f}", lr=f"{lr:.2e}", img_s=f"{images_per_s:.0f}")
+                        if wandb_run is not None:
+                            wandb_run.log(row, step=step)
+                else:  # skip the update on every rank alike (the loss is averaged over ranks); the batch is used up
+                    nan_streak += 1
+                    log(f"warning: loss is {loss_mean} at step {step}; update skipped ({nan_streak} in a row)")
+                    if nan_streak >= 10:
+                        raise UserError(f"loss was not finite for {nan_streak} steps in a row (last good save in "
+                                        f"{args.save_dir}): lower --learning_rate or check the data")
+                optimizer.zero_grad(set_to_none=True)
+                if bar is not None:
+                    bar.update(1)
+                finished = samples_seen >= total_samples
+                if step % args.save_interval == 0 or finished or stop:
+                    save()
+                if not stop and ((args.sample_interval and step % args.sample_interval == 0) or finished):
+                    sample_grid()
     if bar is not None:
         bar.close()
     if isinstance(log, Logger):
@@ -527,14 +648,24 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
         dist.barrier()  # leave together: rank 0 may still be writing the last save or sample grid
     if wandb_run is not None:
         wandb_run.finish()
-    log(f"done: {weights_paths(args.out_dir, name)['weights']} (step {step})")
+    if stop:
+        what = signal.Signals(stop_signal.received).name if stop_signal.received else "a stop signal on another rank"
+        log(f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1")
+    else:
+        log(f"done: {manifest_path(weights_at)} (step {step})")
     return step
 
 
 def truncate_metrics(path, step):
-    """Drop metric rows past `step` (0 for a fresh run)."""
+    """Drop metric rows past `step` (0 for a fresh run), and a last line cut short by a kill."""
     if not os.path.exists(path):
         return
+    rows = []
     with open(path, encoding="utf-8") as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        for line in f:
+            try:  # a line without its newline is the half-written last row of a killed run
+                if line.endswith("\n") and json.loads(line)["step"] <= step:
+                    rows.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
     atomic_write_text(path, "".join(rows))

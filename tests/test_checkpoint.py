@@ -1,0 +1,453 @@
+"""Checkpoints that cannot lie: verified atomic saves, manifests, kill safety, graceful stop, exact resume,
+world-size changes and two nodes on localhost."""
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
+from model.components import BuiltinComponents
+from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
+from trainer import checkpoint
+from trainer.checkpoint import (
+    CheckpointError, first_difference, load_safetensors, load_torch, read_manifest, remove_leftovers,
+    save_checkpoint, sha256_of,
+)
+from trainer.trainer_utils import (
+    DistInfo, StopSignal, UserError, add_training_args, check_resume, load_weights, lr_at, save_weights, train,
+)
+
+from tests.scripts import ENV, REPO, run
+
+SCRIPT = "trainer/train_pretrain.py"
+QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
+
+
+def parse(argv=()):
+    return add_training_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return SD3Light(preset_config("tiny"))
+
+
+def files_in(directory):
+    return sorted(os.listdir(directory))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Verified saves and manifests
+
+
+def test_save_commits_a_manifest_and_replaces_the_previous_step(tmp_path):
+    stem = str(tmp_path / "run")
+    save_checkpoint(stem, 1, {"kind": "test"}, {".safetensors": {"w": torch.ones(3)}, ".pt": {"n": 1}})
+    save_checkpoint(stem, 2, {"kind": "test"}, {".safetensors": {"w": torch.full((3,), 2.0)}, ".pt": {"n": 2}})
+    assert files_in(tmp_path) == ["run.json", "run.step00000002.pt", "run.step00000002.safetensors"]
+    record = read_manifest(stem, "test")
+    assert record["step"] == 2
+    for name, entry in record["files"].items():
+        path = tmp_path / name
+        assert entry == {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    assert load_safetensors(str(tmp_path / "run.step00000002.safetensors"))["w"].tolist() == [2, 2, 2]
+    assert load_torch(str(tmp_path / "run.step00000002.pt")) == {"n": 2}
+    assert oct(os.stat(tmp_path / "run.step00000002.pt").st_mode & 0o777) != oct(0o600)  # not private to the writer
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "garbage_manifest", "other_kind"])
+def test_a_damaged_checkpoint_is_a_one_line_error(tmp_path, damage):
+    stem = str(tmp_path / "run")
+    save_checkpoint(stem, 3, {"kind": "resume"}, {".pt": {"w": torch.arange(1000.0)}})
+    data = tmp_path / "run.step00000003.pt"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "flip":
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    elif damage == "delete":
+        data.unlink()
+    elif damage == "garbage_manifest":
+        (tmp_path / "run.json").write_text('{"kind": "resu')
+    with pytest.raises(CheckpointError) as e:
+        read_manifest(stem, "weights" if damage == "other_kind" else "resume")
+    message = str(e.value)
+    assert "\n" not in message
+    expected = {"truncate": "truncated", "flip": "sha256", "delete": "is missing",
+                "garbage_manifest": "not a readable manifest", "other_kind": "is a resume checkpoint, not a weights"}
+    assert expected[damage] in message
+
+
+def test_an_empty_or_incomplete_state_is_refused_before_anything_is_replaced(tmp_path):
+    model, components = tiny_model(), BuiltinComponents(GRAMMAR_WORDS)
+    stem = str(tmp_path / "pretrain_tiny")
+    record = {"stage": "pretrain", "preset": "tiny", "resolution": 32, "transformer": model.config.to_dict(),
+              "components": components.spec, "sampling": {"steps": 1, "cfg": 1.0, "shift": 1.0}}
+    save_weights(stem, 1, model, model.state_dict(), components.trained_state_dict(), record, torch.bfloat16)
+    before = {name: (tmp_path / name).read_bytes() for name in files_in(tmp_path)}
+    full = model.state_dict()
+    partial = {k: v for k, v in full.items() if k != "pos_embed.pos_embed"}  # a buffer: saves must hold buffers too
+    for state, needle in (({}, "missing"), (partial, "pos_embed.pos_embed"),
+                          ({**full, "extra.weight": torch.ones(1)}, "1 unexpected: extra.weight")):
+        with pytest.raises(StateDictMismatchError, match=needle):
+            save_weights(stem, 2, model, state, components.trained_state_dict(), record, torch.bfloat16)
+    assert {name: (tmp_path / name).read_bytes() for name in files_in(tmp_path)} == before
+    with pytest.raises(RuntimeError, match="empty state dict"):
+        save_checkpoint(stem, 2, {"kind": "weights"}, {".safetensors": {}})
+    loaded, _, saved = load_weights(stem)
+    assert saved["step"] == 1
+    for other_name in ("pretrain_tiny.json", "pretrain_tiny.step00000001.safetensors"):  # what users also pass
+        assert load_weights(str(tmp_path / other_name))[2]["step"] == 1
+    assert all(torch.equal(v.bfloat16().float(), loaded.state_dict()[k]) for k, v in full.items())
+
+
+def test_a_write_that_reads_back_wrong_is_caught_and_never_committed(tmp_path, monkeypatch):
+    stem = str(tmp_path / "run")
+    save_checkpoint(stem, 1, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
+    real_save_file = checkpoint.save_file
+
+    def lossy_save_file(tensors, path, metadata=None):  # a writer that silently changes a value
+        real_save_file({k: v * 0.5 for k, v in tensors.items()}, path, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", lossy_save_file)
+    with pytest.raises(RuntimeError, match="read back with a different w"):
+        save_checkpoint(stem, 2, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
+    assert read_manifest(stem, "weights")["step"] == 1  # the previous save is still the committed one
+    remove_leftovers(stem)
+    assert files_in(tmp_path) == ["run.json", "run.step00000001.safetensors"]
+
+
+def test_leftovers_of_a_killed_save_are_removed_and_nothing_else(tmp_path):
+    stem = str(tmp_path / "run")
+    save_checkpoint(stem, 5, {"kind": "resume"}, {".pt": {"n": 5}})
+    for name in (".tmp-run.step00000006.pt.x1y2", ".tmp-run.json.abcd", "run.step00000006.pt",
+                 "run_metrics.jsonl", "other.step00000001.pt", ".tmp-other.json.1234", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    assert sorted(remove_leftovers(stem)) == [".tmp-run.json.abcd", ".tmp-run.step00000006.pt.x1y2",
+                                              "run.step00000006.pt"]
+    assert files_in(tmp_path) == [".tmp-other.json.1234", "notes.txt", "other.step00000001.pt", "run.json",
+                                  "run.step00000005.pt", "run_metrics.jsonl"]
+
+
+def test_loading_weights_is_strict_and_names_the_keys(tmp_path):
+    model, components = tiny_model(), BuiltinComponents(GRAMMAR_WORDS)
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("proj_out.")}
+    state["proj.out.weight"] = torch.ones(1)
+    record = {"kind": "weights", "stage": "pretrain", "preset": "tiny", "resolution": 32,
+              "transformer": model.config.to_dict(), "components": components.spec}
+    save_checkpoint(str(tmp_path / "bad"), 1, record, {".safetensors": state})  # bypasses save_weights' check
+    with pytest.raises(UserError, match=r"2 missing: proj_out.weight, proj_out.bias; 1 unexpected: proj.out.weight"):
+        load_weights(str(tmp_path / "bad"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Resume checks
+
+
+def test_resume_refuses_another_identity_and_needs_force_for_recipe_changes():
+    args = parse([])
+    state = {"kind": "resume", "stage": "pretrain", "args": vars(parse([])), "dataset_size": 20000}
+    assert check_resume(state, args, "pretrain", 20000) == []
+    with pytest.raises(UserError, match="not a MiniSD3 resume checkpoint"):
+        check_resume({**state, "kind": "weights"}, args, "pretrain", 20000)
+    with pytest.raises(UserError, match="from stage 'pretrain', not 'sft'"):
+        check_resume(state, args, "sft", 20000)
+    for flag, saved in (("prediction", "v"), ("resolution", 64), ("preset", "small"), ("data", "my_images")):
+        with pytest.raises(UserError, match=rf"--{flag} {saved} \(saved\) vs .* \(now\)"):
+            check_resume({**state, "args": {**state["args"], flag: saved}}, parse(["--force_resume", "1"]),
+                         "pretrain", 20000)
+    changed = {**state, "args": {**state["args"], "learning_rate": 0.002, "batch_size": 8}}
+    with pytest.raises(UserError, match=r"--batch_size 8 \(saved\) vs 16 \(now\); --learning_rate 0.002 .*"
+                                        r"pass --force_resume 1"):
+        check_resume(changed, args, "pretrain", 20000)
+    with pytest.raises(UserError, match=r"dataset size 20000 \(saved\) vs 19000 \(now\)"):
+        check_resume(state, args, "pretrain", 19000)
+    forced = check_resume(changed, parse(["--force_resume", "1"]), "pretrain", 20000)
+    assert forced == ["--batch_size 8 (saved) vs 16 (now)", "--learning_rate 0.002 (saved) vs 0.001 (now)"]
+    # paths, saving, sampling and hardware settings are free to change
+    free = parse(["--out_dir", "elsewhere", "--save_interval", "7", "--sample_cfg", "4", "--num_workers", "2"])
+    assert check_resume(state, free, "pretrain", 20000) == []
+
+
+def one_line_error(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_mismatched_or_foreign_resume_files_are_one_line_errors(tmp_path):
+    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
+    dirs = ["--out_dir", out, "--save_dir", ckpt]
+    run([SCRIPT, "--num_samples", "16", "--batch_size", "4", "--max_steps", "2", *QUIET, *dirs])
+    resume_json = os.path.join(ckpt, "pretrain_tiny_resume.json")
+    error = one_line_error(run([SCRIPT, "--preset", "small", "--from_resume", resume_json, "--num_samples", "16",
+                                "--batch_size", "4", *dirs], check=False))
+    assert "--preset tiny (saved) vs small (now)" in error
+    error = one_line_error(run([SCRIPT, "--from_resume", os.path.join(out, "pretrain_tiny.json"), *dirs],
+                               check=False))
+    assert "is a weights checkpoint, not a resume checkpoint" in error
+    error = one_line_error(run([SCRIPT, "--from_resume", "1", "--num_samples", "16", "--batch_size", "4",
+                                "--max_steps", "2", *QUIET, "--learning_rate", "2e-3", *dirs], check=False))
+    assert "--learning_rate 0.001 (saved) vs 0.002 (now)" in error and "--force_resume 1" in error
+    # a resume file holding a pickled object (here an argparse.Namespace) is refused, even with a valid manifest
+    pickled = os.path.join(ckpt, "pretrain_tiny_resume.step00000002.pt")
+    torch.save({"kind": "resume", "args": argparse.Namespace(lr=1)}, pickled)
+    manifest = json.load(open(resume_json))
+    manifest["files"] = {os.path.basename(pickled): {"bytes": os.path.getsize(pickled), "sha256": sha256_of(pickled)}}
+    json.dump(manifest, open(resume_json, "w"))
+    error = one_line_error(run([SCRIPT, "--from_resume", "1", "--num_samples", "16", *dirs], check=False))
+    assert "cannot read" in error and "Traceback" not in error
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Graceful stop and exact resume (in-process: a dataset that signals the process itself at a chosen sample)
+
+
+class SignalAtFetch(torch.utils.data.Dataset):
+    """The built-in data; fetching item number `at` (counted over the whole run) sends `signum` to this process,
+    as a scheduler would in the middle of a step."""
+
+    def __init__(self, data, at=None, signum=signal.SIGTERM):
+        self.data, self.at, self.signum, self.fetched = data, at, signum, 0
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.fetched += 1
+        if self.fetched == self.at:
+            os.kill(os.getpid(), self.signum)
+        return self.data[i]
+
+
+def train_in_process(tmp_path, dataset, from_resume="0"):
+    args = parse(["--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "9", "--save_interval", "3",
+                  "--ema_decay", "0.9", *QUIET, "--from_resume", from_resume,
+                  "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")])
+    messages = []
+    step = train(args, "pretrain", tiny_model(), BuiltinComponents(GRAMMAR_WORDS), dataset, DistInfo(),
+                 messages.append, ["a red circle"])
+    return step, messages
+
+
+def final_state(tmp_path):
+    ckpt = str(tmp_path / "ckpt" / "pretrain_tiny_resume")
+    state = load_torch(checkpoint.checkpoint_file(ckpt, read_manifest(ckpt, "resume"), ".pt"))
+    weights = str(tmp_path / "out" / "pretrain_tiny")
+    state["weights"] = load_safetensors(checkpoint.checkpoint_file(weights, read_manifest(weights, "weights"),
+                                                                   ".safetensors"))
+    with open(tmp_path / "out" / "pretrain_tiny_metrics.jsonl") as f:
+        state["logged"] = [{k: row[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_seen")}
+                           for row in map(json.loads, f)]
+    return state
+
+
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path):
+    data = ShapesDataset("train", 24, 32)  # 6 steps of 4 an epoch: the run crosses an epoch boundary
+    step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data))
+    assert step == 9
+    # the signal comes while step 5's first micro-batch is fetched (4 samples a step): the step completes first
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1))
+    assert step == 5 and "stopped by SIGTERM at step 5, checkpoint saved" in messages[-1]
+    assert read_manifest(str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == 5
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after train() returns
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), from_resume="1")
+    assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
+    whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
+    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):
+        assert first_difference(whole[key], cut[key], key) is None, key
+    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
+
+
+def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.received == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt):
+        with StopSignal() as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert stop.received == signal.SIGINT
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Real processes: SIGKILL at random moments, world-size changes, two nodes
+
+
+def launch(args, torchrun=0, log_path=None, extra=()):
+    cmd = [sys.executable, "-m", "torch.distributed.run", *extra, "--nproc_per_node", str(torchrun)] if torchrun \
+        else [sys.executable]
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(cmd + args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def last_logged_step(metrics_path):
+    if not os.path.exists(metrics_path):
+        return 0
+    with open(metrics_path) as f:
+        lines = [line for line in f if line.endswith("\n")]
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for_step(proc, metrics_path, step, timeout=120):
+    deadline = time.time() + timeout
+    while last_logged_step(metrics_path) < step and proc.poll() is None:
+        assert time.time() < deadline, "training made no progress"
+        time.sleep(0.02)
+
+
+def uncommitted(directory, stem_name):
+    """Files a killed save left: temp files and step files the manifest does not name."""
+    manifest = os.path.join(directory, stem_name + ".json")
+    named = set(json.load(open(manifest))["files"]) if os.path.exists(manifest) else set()
+    return [n for n in os.listdir(directory) if n.startswith(".tmp-") or
+            (n.startswith(stem_name + ".step") and n not in named)]
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_equal(tmp_path):
+    run_args = [SCRIPT, "--num_samples", "24", "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "12",
+                "--ema_decay", "0.9", *QUIET]
+    ref, cut = tmp_path / "ref", tmp_path / "cut"
+    run(run_args + ["--save_interval", "1000", "--out_dir", str(ref / "out"), "--save_dir", str(ref / "ckpt")])
+    dirs = ["--out_dir", str(cut / "out"), "--save_dir", str(cut / "ckpt"), "--save_interval", "1"]
+    metrics = str(cut / "out" / "pretrain_tiny_metrics.jsonl")
+    rng, kills, mid_save, committed = random.Random(0), 0, 0, 0
+    while kills < 12:
+        proc = launch(run_args + dirs + ["--from_resume", "1"], log_path=tmp_path / f"attempt{kills}.log")
+        if kills % 2 == 0:  # any moment from the start: imports, clean-up, loading the checkpoint, training
+            time.sleep(rng.uniform(0.5, 6.0))
+        else:  # just after a step: saves take most of each step here, so most of these land inside a save
+            wait_for_step(proc, metrics, committed + 1)
+            time.sleep(rng.uniform(0, 1.0))
+        if proc.poll() is not None:
+            break  # it finished first
+        proc.kill()
+        proc.wait()
+        kills += 1
+        left = uncommitted(str(cut / "ckpt"), "pretrain_tiny_resume") + \
+            uncommitted(str(cut / "out"), "pretrain_tiny")
+        mid_save += bool(left)
+        # the last committed save is whole: its files match the manifest and load
+        resume_at, weights_at = str(cut / "ckpt" / "pretrain_tiny_resume"), str(cut / "out" / "pretrain_tiny")
+        if not os.path.exists(resume_at + ".json"):
+            assert committed == 0  # killed before the first save ever committed
+            continue
+        resume = read_manifest(resume_at, "resume")
+        load_torch(checkpoint.checkpoint_file(resume_at, resume, ".pt"))
+        if os.path.exists(weights_at + ".json"):  # the weights are committed after the resume checkpoint
+            load_weights(weights_at)
+        assert resume["step"] >= committed
+        committed = resume["step"]
+    finished = run(run_args + dirs + ["--from_resume", "1"])
+    assert "done:" in finished.stdout + finished.stderr
+    print(f"{kills} kills, {mid_save} of them inside a save")
+    assert kills >= 6 and mid_save >= 1
+    assert not uncommitted(str(cut / "ckpt"), "pretrain_tiny_resume") and not uncommitted(str(cut / "out"),
+                                                                                       "pretrain_tiny")
+    whole, resumed = final_state(ref), final_state(cut)
+    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
+        assert first_difference(whole[key], resumed[key], key) is None, key
+    assert whole["logged"] == resumed["logged"]
+
+
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def check_epochs(rows, dataset_size, max_global_batch):
+    """Every epoch's samples are distinct, and only a tail shorter than a global batch is left out."""
+    by_epoch = {}
+    for row in rows:
+        by_epoch.setdefault(row["epoch"], []).extend(row["sample_ids"])
+    for epoch, ids in by_epoch.items():
+        assert len(ids) == len(set(ids)), f"epoch {epoch} repeats samples"
+        assert dataset_size - len(ids) < max_global_batch, f"epoch {epoch} skipped {dataset_size - len(ids)}"
+    return by_epoch
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second,signum", [(2, 1, signal.SIGTERM), (1, 2, signal.SIGINT)])
+def test_stop_and_resume_on_another_world_size_continues_the_epoch(tmp_path, first, second, signum):
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    run_args = [SCRIPT, "--num_samples", "20", "--batch_size", "2", "--epochs", "4", "--save_interval", "1000",
+                "--log_sample_ids", "1", *QUIET, "--out_dir", str(out), "--save_dir", str(ckpt)]
+    metrics = str(out / "pretrain_tiny_metrics.jsonl")
+    proc = launch(run_args + ["--num_workers", "2"], torchrun=first if first > 1 else 0,
+                  log_path=tmp_path / "first.log")
+    wait_for_step(proc, metrics, 3)
+    if first > 1:  # what a scheduler does: signal every worker
+        for pid in children(proc.pid):
+            os.kill(pid, signum)
+    else:  # what Ctrl-C does: signal the whole process group, data loader workers included
+        os.killpg(proc.pid, signum)
+    assert proc.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    text = (tmp_path / "first.log").read_text()
+    stopped_at = read_manifest(str(ckpt / "pretrain_tiny_resume"), "resume")["step"]
+    assert f"stopped by {signal.Signals(signum).name} at step {stopped_at}" in text and "Traceback" not in text
+    assert 3 <= stopped_at < 4 * 20 // (2 * first)  # it stopped early, at a step boundary
+    resumed = run(run_args + ["--from_resume", "1"], torchrun=second if second > 1 else 0)
+    text = resumed.stdout + resumed.stderr
+    assert f"resuming with {second} process(es) and global batch {2 * second} (saved: {first}, {2 * first})" in text
+    rows = [json.loads(line) for line in open(metrics)]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+    def row_batch(row):
+        return 2 * (first if row["step"] <= stopped_at else second)
+
+    assert all(len(r["sample_ids"]) == row_batch(r) for r in rows)
+    # the schedule is counted in samples: the run ends where an uninterrupted one would (4 epochs of 20)
+    assert 80 <= rows[-1]["samples_seen"] < 80 + 2 * second
+    # and the learning rate follows the planned schedule at the samples seen, in steps of the first global batch
+    for row in rows[-3:]:
+        planned = lr_at((row["samples_seen"] - row_batch(row)) / (2 * first), 80 // (2 * first), 1e-3, 2, 0.1)
+        assert row["lr"] == pytest.approx(planned, rel=1e-12)
+    by_epoch = check_epochs(rows, 20, max(2 * first, 2 * second))
+    assert sorted(by_epoch) == [0, 1, 2, 3]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_save_once_and_resume(tmp_path):
+    run_args = [SCRIPT, "--num_samples", "16", "--batch_size", "2", "--save_interval", "2", *QUIET,
+                "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")]
+
+    def two_nodes(extra, name):
+        port = str(free_port())
+        procs = [launch(run_args + extra, torchrun=1, log_path=tmp_path / f"{name}{rank}.log",
+                        extra=["--nnodes", "2", "--node_rank", str(rank), "--master_addr", "127.0.0.1",
+                               "--master_port", port]) for rank in (0, 1)]
+        for rank, proc in enumerate(procs):
+            assert proc.wait(timeout=300) == 0, (tmp_path / f"{name}{rank}.log").read_text()[-3000:]
+        return [(tmp_path / f"{name}{rank}.log").read_text() for rank in (0, 1)]
+
+    node0, node1 = two_nodes(["--max_steps", "4"], "first")
+    assert "2 process(es)" in node0 and node0.count("saved step") == 2 and "saved step" not in node1
+    state = load_torch(str(tmp_path / "ckpt" / "pretrain_tiny_resume.step00000004.pt"))
+    assert state["world_size"] == 2 and state["samples_seen"] == 16 and len(state["rng"]) == 2
+    node0, node1 = two_nodes(["--max_steps", "6", "--from_resume", "1", "--force_resume", "1"], "second")
+    assert "changed setting (--force_resume): --max_steps 4 (saved) vs 6 (now)" in node0
+    assert "at step 4" in node0 and "saved step 6" in node0 and "saved step" not in node1
+    assert read_manifest(str(tmp_path / "out" / "pretrain_tiny"), "weights")["step"] == 6
+    assert files_in(tmp_path / "ckpt") == ["pretrain_tiny_resume.json", "pretrain_tiny_resume.step00000006.pt"]
