@@ -149,6 +149,23 @@ def test_loading_weights_is_strict_and_names_the_keys(tmp_path):
         load_weights(str(tmp_path / "bad"))
 
 
+def test_every_torch_load_in_the_repo_is_weights_only():
+    import ast
+
+    calls = []
+    for package in ("model", "dataset", "trainer", "eval", "bench", "tests"):
+        folder = os.path.join(REPO, package)
+        for name in (n for n in os.listdir(folder) if n.endswith(".py")):
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                    weights_only = [k.value for k in node.keywords if k.arg == "weights_only"]
+                    calls.append((os.path.relpath(path, REPO), node.lineno,
+                                  bool(weights_only) and isinstance(weights_only[0], ast.Constant)
+                                  and weights_only[0].value is True))
+    assert calls and all(ok for *_, ok in calls), [c for c in calls if not c[2]]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Resume checks
 

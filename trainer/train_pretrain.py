@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 2 trainer/train_pretrain.py              # the same on 2 processes (DDP)
     python trainer/train_pretrain.py --data my_images/ --resolution 64 --preset small
 
-Writes out/pretrain_<preset>.{safetensors,json} (weights for sampling and fine-tuning), sample grids in
-out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl, and checkpoints/pretrain_<preset>_resume.pt.
+Writes out/pretrain_<preset>.json and the files it names (weights for sampling and fine-tuning), sample grids in
+out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint
+checkpoints/pretrain_<preset>_resume.json (+ its file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
 """
 import argparse
 import os

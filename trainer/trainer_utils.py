@@ -372,7 +372,7 @@ def add_training_args(parser, **defaults):
     a("--caption_dropout", type=float, default=0.1, help="probability of training a sample unconditionally")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="autocast; auto = bf16 on GPU, fp32 on CPU")
     a("--gradient_checkpointing", type=int, default=0)
-    a("--save_interval", type=int, default=200, help="steps between saves of weights and resume file")
+    a("--save_interval", type=int, default=200, help="steps between saves of weights and resume checkpoint")
     a("--save_dtype", default="bf16", choices=list(SAVE_DTYPES))
     a("--sample_interval", type=int, default=400, help="steps between sample grids; 0 = only at the end")
     a("--sample_steps", type=int, default=20)
