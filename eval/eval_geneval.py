@@ -1,0 +1,228 @@
+"""GenEval-style prompt following on the built-in world: six tasks, each image right only if every clause holds.
+
+    python eval/eval_geneval.py --weights pretrain_tiny                 # generate and score (4 seeds a prompt)
+    python eval/eval_geneval.py --ground_truth                          # score freshly drawn data: the scorer's own accuracy
+
+The tasks follow GenEval (Ghosh et al. 2023), phrased in the built-in grammar:
+    single_object  "a large red circle in the center"       an object of that shape is there
+    two_objects    "a blue square to the left of a red star" both shapes are there
+    counting       "three green stars"                       exactly that many of that shape
+    colors         "a small yellow diamond at the top"       an object of that shape has that colour
+    position       "a red star above a green circle"         both are there, in that relation (by grid cell)
+    color_attr     "a red star above a green circle"         a red star and a green circle are both there
+Each task has a fixed prompt set from the training grammar and one from the held-out pairs (purple triangle,
+orange circle, cyan star: never seen in training). Overall = mean over tasks; the last line printed is the
+overall score on the held-out prompts. Objects are read by eval/shape_scorer.py.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.shapes import (  # noqa: E402
+    COLORS, HELD_OUT_PAIRS, NUMBER_WORDS, POSITIONS, RELATIONS, SHAPES, SIZES, ShapesDataset, count_caption,
+    relation_caption, single_caption,
+)
+from eval.shape_scorer import find_objects  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    DEFAULT_OUT_DIR, load_weights, run_main, sample_images, save_grid,
+)
+
+TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
+PROMPT_KIND = {"single_object": "single", "colors": "single", "counting": "count", "two_objects": "relation",
+               "position": "relation", "color_attr": "relation"}
+TRAIN_PAIRS = [(c, s) for c in COLORS for s in SHAPES if (c, s) not in HELD_OUT_PAIRS]
+HELD_PAIRS = sorted(HELD_OUT_PAIRS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts: fixed sets, a pure function of (task, split, number)
+
+
+def prompt_set(task, split, n):
+    """n distinct prompt specs {"task", "split", "caption", "objects": [(colour, shape)], ...} for a task."""
+    rng = random.Random(f"geneval-{task}-{split}")
+    kind, specs, captions = PROMPT_KIND[task], [], set()
+    for _ in range(100 * n):
+        if len(specs) == n:
+            break
+        pair = rng.choice(HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
+        spec = {"task": task, "split": split, "kind": kind}
+        if kind == "single":
+            size, position = rng.choice(SIZES), rng.choice(POSITIONS)
+            spec.update(objects=[pair], size=size, position=position,
+                        caption=single_caption(pair[0], pair[1], size, position))
+        elif kind == "count":
+            count = rng.choice(list(NUMBER_WORDS))
+            spec.update(objects=[pair], count=count, caption=count_caption(count, *pair))
+        else:  # a held-out relation prompt holds at least one held-out pair, on either side
+            other = rng.choice(TRAIN_PAIRS + HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
+            first, second = (pair, other) if rng.random() < 0.5 else (other, pair)
+            if first == second:
+                continue
+            relation = rng.choice(list(RELATIONS))
+            spec.update(objects=[first, second], relation=relation,
+                        caption=relation_caption(first, relation, second))
+        if spec["caption"] not in captions:
+            captions.add(spec["caption"])
+            specs.append(spec)
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Scoring: is every clause of the prompt in the image?
+
+
+def is_correct(spec, found):
+    """found: objects from find_objects. -> True if the image satisfies the prompt for its task."""
+    task, pairs = spec["task"], spec["objects"]
+    shapes = [o["shape"] for o in found]
+    if task == "single_object":
+        return pairs[0][1] in shapes
+    if task == "colors":
+        return any((o["color"], o["shape"]) == pairs[0] for o in found)
+    if task == "counting":
+        return shapes.count(pairs[0][1]) == spec["count"]
+    if task == "two_objects":
+        (_, a), (_, b) = pairs
+        return shapes.count(a) >= 2 if a == b else a in shapes and b in shapes
+    if task == "color_attr":
+        firsts = [o for o in found if (o["color"], o["shape"]) == pairs[0]]
+        seconds = [o for o in found if (o["color"], o["shape"]) == pairs[1]]
+        return any(a is not b for a in firsts for b in seconds)
+    if task == "position":
+        holds = RELATIONS[spec["relation"]]
+        firsts = [o for o in found if o["shape"] == pairs[0][1]]
+        seconds = [o for o in found if o["shape"] == pairs[1][1]]
+        return any(a is not b and holds((a["row"], a["col"]), (b["row"], b["col"])) for a in firsts for b in seconds)
+    raise ValueError(f"unknown task {task!r}")
+
+
+def ground_truth_image(spec, resolution, rng):
+    """A freshly drawn image that satisfies the prompt, from the dataset's own renderer -> uint8 [H, W, 3]."""
+    def place(pair, cell, size):
+        return {"color": pair[0], "shape": pair[1], "size": size, "row": cell // 3, "col": cell % 3}
+
+    if spec["kind"] == "single":
+        objects = [place(spec["objects"][0], POSITIONS.index(spec["position"]), spec["size"])]
+    elif spec["kind"] == "count":
+        size = rng.choice(SIZES)
+        objects = [place(spec["objects"][0], cell, size) for cell in rng.sample(range(9), spec["count"])]
+    else:
+        holds = RELATIONS[spec["relation"]]
+        a, b = rng.choice([(a, b) for a in range(9) for b in range(9)
+                           if holds(divmod(a, 3), divmod(b, 3))])
+        objects = [place(spec["objects"][0], a, rng.choice(SIZES)), place(spec["objects"][1], b, rng.choice(SIZES))]
+    image = ShapesDataset(resolution=resolution).render({"background": "gray", "objects": objects})
+    return np.asarray(image)
+
+
+def to_uint8(images):
+    """[N, 3, H, W] in [-1, 1] -> list of uint8 [H, W, 3]."""
+    return list(((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy())
+
+
+def score(specs, images_per_spec):
+    """-> ({task: {split: accuracy}}, {split: overall}, failures [(spec, seed, found)])."""
+    right, total, failures = {}, {}, []
+    for spec, images in zip(specs, images_per_spec):
+        key = (spec["task"], spec["split"])
+        for seed, image in enumerate(images):
+            found = find_objects(image)
+            ok = is_correct(spec, found)
+            right[key] = right.get(key, 0) + ok
+            total[key] = total.get(key, 0) + 1
+            if not ok:
+                failures.append((spec, seed, found, image))
+    table = {task: {split: right[(task, split)] / total[(task, split)] for split in ("train", "heldout")
+                    if (task, split) in total} for task in TASKS}
+    overall = {split: float(np.mean([table[task][split] for task in TASKS])) for split in ("train", "heldout")}
+    return table, overall, failures
+
+
+def all_prompts(prompts_per_task):
+    return [spec for task in TASKS for split in ("train", "heldout") for spec in prompt_set(task, split,
+                                                                                         prompts_per_task)]
+
+
+def ground_truth_accuracy(prompts_per_task=24, seeds=4, resolution=32, seed=0):
+    """The scorer on freshly drawn ground truth: (table, overall, failures)."""
+    rng = random.Random(seed)
+    specs = all_prompts(prompts_per_task)
+    return score(specs, [[ground_truth_image(spec, resolution, rng) for _ in range(seeds)] for spec in specs])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", default="pretrain_tiny", help="a stage name in --out_dir, or a path")
+    parser.add_argument("--ground_truth", action="store_true", help="score freshly drawn dataset images instead")
+    parser.add_argument("--prompts_per_task", type=int, default=24, help="per task and split (train, held-out)")
+    parser.add_argument("--seeds", type=int, default=4, help="images per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resolution", type=int, default=32, help="for --ground_truth")
+    parser.add_argument("--steps", type=int, default=None, help="default: what the run sampled with")
+    parser.add_argument("--cfg", type=float, default=None)
+    parser.add_argument("--shift", type=float, default=None)
+    parser.add_argument("--batch_size", type=int, default=256)
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
+    parser.add_argument("--json", default=None, help="report path; default out/geneval_<weights>.json")
+    parser.add_argument("--failures", default=None, help="PNG of failed images; default out/samples/...")
+    args = parser.parse_args()
+
+    specs = all_prompts(args.prompts_per_task)
+    if args.ground_truth:
+        name, report = "ground_truth", {"resolution": args.resolution}
+        table, overall, failures = ground_truth_accuracy(args.prompts_per_task, args.seeds, args.resolution,
+                                                         args.seed)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model, components, record = load_weights(args.weights, args.out_dir, device)
+        name = f"{record['stage']}_{record['preset']}"
+        sampling = {"steps": args.steps or record["sampling"]["steps"],
+                    "cfg": args.cfg if args.cfg is not None else record["sampling"]["cfg"],
+                    "shift": args.shift if args.shift is not None else record["sampling"]["shift"]}
+        captions = [spec["caption"] for spec in specs for _ in range(args.seeds)]
+        images = []
+        from tqdm import tqdm
+
+        for start in tqdm(range(0, len(captions), args.batch_size), desc="sampling", leave=False):
+            batch = captions[start:start + args.batch_size]
+            images += to_uint8(sample_images(model, components, batch, seed=args.seed + start, **sampling,
+                                             resolution=record["resolution"], device=device,
+                                             prediction=record["prediction"]))
+        table, overall, failures = score(specs, [images[k:k + args.seeds] for k in range(0, len(images), args.seeds)])
+        report = {"weights": args.weights, "step": record["step"], "sampling": sampling}
+
+    print(f"{'task':<14} {'train':>6} {'held-out':>9}   ({args.prompts_per_task} prompts x {args.seeds} seeds each)")
+    for task in TASKS:
+        print(f"{task:<14} {table[task]['train']:>6.3f} {table[task]['heldout']:>9.3f}")
+    print(f"{'overall':<14} {overall['train']:>6.3f} {overall['heldout']:>9.3f}")
+    report.update(prompts_per_task=args.prompts_per_task, seeds=args.seeds, tasks=table, overall=overall,
+                  failures=[{"task": s["task"], "split": s["split"], "caption": s["caption"], "seed": seed,
+                             "found": found} for s, seed, found, _ in failures])
+    json_path = args.json or os.path.join(args.out_dir, f"geneval_{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=1)
+    if failures:
+        shown = failures[:48]
+        grid_path = args.failures or os.path.join(args.out_dir, "samples", f"geneval_{name}_failures.png")
+        images = torch.stack([torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).float() / 127.5 - 1
+                              for *_, img in shown])
+        save_grid(grid_path, images, [f"{s['task']}: {s['caption']}" for s, *_ in shown])
+        print(f"{len(failures)} failures, the first {len(shown)} in {grid_path}; report {json_path}")
+    else:
+        print(f"no failures; report {json_path}")
+    print(f"overall: {overall['heldout']:.3f}")
+
+
+if __name__ == "__main__":
+    run_main(main)
