@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import (  # noqa: E402
@@ -29,6 +30,7 @@ from dataset.shapes import (  # noqa: E402
     relation_caption, single_caption,
 )
 from eval.shape_scorer import find_objects  # noqa: E402
+from model.file_io import atomic_write_text  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     DEFAULT_OUT_DIR, load_weights, run_main, sample_images, save_grid,
 )
@@ -191,8 +193,6 @@ def main():
                     "shift": args.shift if args.shift is not None else record["sampling"]["shift"]}
         captions = [spec["caption"] for spec in specs for _ in range(args.seeds)]
         images = []
-        from tqdm import tqdm
-
         for start in tqdm(range(0, len(captions), args.batch_size), desc="sampling", leave=False):
             batch = captions[start:start + args.batch_size]
             images += to_uint8(sample_images(model, components, batch, seed=args.seed + start, **sampling,
@@ -209,9 +209,7 @@ def main():
                   failures=[{"task": s["task"], "split": s["split"], "caption": s["caption"], "seed": seed,
                              "found": found} for s, seed, found, _ in failures])
     json_path = args.json or os.path.join(args.out_dir, f"geneval_{name}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-    with open(json_path, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=1)
+    atomic_write_text(json_path, json.dumps(report, indent=1) + "\n")
     if failures:
         shown = failures[:48]
         grid_path = args.failures or os.path.join(args.out_dir, "samples", f"geneval_{name}_failures.png")
