@@ -168,6 +168,13 @@ def object_geometry(obj, resolution):
     return "polygon", points
 
 
+def draw_object(draw, obj, resolution, fill):
+    """Draw one object's outline on a PIL ImageDraw of a canvas SUPERSAMPLE times the output resolution."""
+    kind, points = object_geometry(obj, resolution)
+    points = [(x * SUPERSAMPLE, y * SUPERSAMPLE) for x, y in points]
+    (draw.ellipse if kind == "ellipse" else draw.polygon)(points, fill=fill)
+
+
 def _bbox(points, resolution):
     """Smallest whole-pixel box [x0, y0, x1, y1] (x1, y1 exclusive) that contains the outline."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -232,12 +239,7 @@ class ShapesDataset(torch.utils.data.Dataset):
         canvas = Image.new("RGB", (size, size), BACKGROUNDS[metadata["background"]])
         draw = ImageDraw.Draw(canvas)
         for obj in metadata["objects"]:
-            kind, points = object_geometry(obj, self.resolution)
-            points = [(x * SUPERSAMPLE, y * SUPERSAMPLE) for x, y in points]
-            if kind == "ellipse":
-                draw.ellipse(points, fill=COLORS[obj["color"]])
-            else:
-                draw.polygon(points, fill=COLORS[obj["color"]])
+            draw_object(draw, obj, self.resolution, COLORS[obj["color"]])
         return canvas.resize((self.resolution, self.resolution), Image.Resampling.BOX)
 
     def sample(self, i):

@@ -22,17 +22,18 @@ import sys
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import (  # noqa: E402
     COLORS, HELD_OUT_PAIRS, NUMBER_WORDS, POSITIONS, RELATIONS, SHAPES, SIZES, ShapesDataset, count_caption,
-    relation_caption, single_caption,
+    image_to_tensor, relation_caption, single_caption,
 )
 from eval.shape_scorer import find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, load_weights, run_main, sample_images, save_grid,
+    DEFAULT_OUT_DIR, load_weights, run_main, sample_images, sampling_settings, save_grid, to_uint8,
 )
 
 TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
@@ -124,11 +125,6 @@ def ground_truth_image(spec, resolution, rng):
     return np.asarray(image)
 
 
-def to_uint8(images):
-    """[N, 3, H, W] in [-1, 1] -> list of uint8 [H, W, 3]."""
-    return list(((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy())
-
-
 def score(specs, images_per_spec):
     """-> ({task: {split: accuracy}}, {split: overall}, failures [(spec, seed, found)])."""
     right, total, failures = {}, {}, []
@@ -179,25 +175,23 @@ def main():
     parser.add_argument("--failures", default=None, help="PNG of failed images; default out/samples/...")
     args = parser.parse_args()
 
-    specs = all_prompts(args.prompts_per_task)
     if args.ground_truth:
         name, report = "ground_truth", {"resolution": args.resolution}
         table, overall, failures = ground_truth_accuracy(args.prompts_per_task, args.seeds, args.resolution,
                                                          args.seed)
     else:
+        specs = all_prompts(args.prompts_per_task)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, components, record = load_weights(args.weights, args.out_dir, device)
         name = f"{record['stage']}_{record['preset']}"
-        sampling = {"steps": args.steps or record["sampling"]["steps"],
-                    "cfg": args.cfg if args.cfg is not None else record["sampling"]["cfg"],
-                    "shift": args.shift if args.shift is not None else record["sampling"]["shift"]}
+        sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
         captions = [spec["caption"] for spec in specs for _ in range(args.seeds)]
         images = []
         for start in tqdm(range(0, len(captions), args.batch_size), desc="sampling", leave=False):
             batch = captions[start:start + args.batch_size]
-            images += to_uint8(sample_images(model, components, batch, seed=args.seed + start, **sampling,
+            images += list(to_uint8(sample_images(model, components, batch, seed=args.seed + start, **sampling,
                                              resolution=record["resolution"], device=device,
-                                             prediction=record["prediction"]))
+                                             prediction=record["prediction"])))
         table, overall, failures = score(specs, [images[k:k + args.seeds] for k in range(0, len(images), args.seeds)])
         report = {"weights": args.weights, "step": record["step"], "sampling": sampling}
 
@@ -213,8 +207,7 @@ def main():
     if failures:
         shown = failures[:48]
         grid_path = args.failures or os.path.join(args.out_dir, "samples", f"geneval_{name}_failures.png")
-        images = torch.stack([torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1).float() / 127.5 - 1
-                              for *_, img in shown])
+        images = torch.stack([image_to_tensor(Image.fromarray(img)) for *_, img in shown])
         save_grid(grid_path, images, [f"{s['task']}: {s['caption']}" for s, *_ in shown])
         print(f"{len(failures)} failures, the first {len(shown)} in {grid_path}; report {json_path}")
     else:

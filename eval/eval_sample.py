@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, load_weights, run_main, sample_images, save_grid,
+    DEFAULT_OUT_DIR, UserError, load_weights, run_main, sample_images, sampling_settings, save_grid,
 )
 
 
@@ -39,16 +39,15 @@ def main():
         raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompt_file FILE")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record = load_weights(args.weights, args.out_dir, device)
-    defaults = record["sampling"]
-    steps, cfg, shift = (args.steps or defaults["steps"], args.cfg if args.cfg is not None else defaults["cfg"],
-                         args.shift if args.shift is not None else defaults["shift"])
+    sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
-    images = sample_images(model, components, all_prompts, seed=args.seed, steps=steps, cfg=cfg, shift=shift,
+    images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
                            resolution=record["resolution"], device=device, prediction=record["prediction"])
     name = f"{record['stage']}_{record['preset']}"
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
-    print(f"{len(all_prompts)} images ({steps} steps, cfg {cfg}, shift {shift}) from step {record['step']}: {out}")
+    print(f"{len(all_prompts)} images ({sampling['steps']} steps, cfg {sampling['cfg']}, shift {sampling['shift']}) "
+          f"from step {record['step']}: {out}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ resemble the renderer's objects, which is the question the scores ask.
 import numpy as np
 from PIL import Image, ImageDraw
 
-from dataset.shapes import BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, SUPERSAMPLE, object_geometry
+from dataset.shapes import BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, SUPERSAMPLE, draw_object
 
 COLOR_NAMES = list(COLORS)
 PALETTE = np.array([COLORS[c] for c in COLOR_NAMES], dtype=np.float32)  # [K, 3]
@@ -55,12 +55,9 @@ def templates(resolution):
         for cell in range(9):
             for shape in SHAPES:
                 for size in SIZES:
-                    kind, points = object_geometry({"shape": shape, "size": size, "row": cell // 3,
-                                                    "col": cell % 3}, resolution)
                     canvas = Image.new("L", (big, big), 0)
-                    draw = ImageDraw.Draw(canvas)
-                    points = [(x * SUPERSAMPLE, y * SUPERSAMPLE) for x, y in points]
-                    (draw.ellipse if kind == "ellipse" else draw.polygon)(points, fill=255)
+                    draw_object(ImageDraw.Draw(canvas), {"shape": shape, "size": size, "row": cell // 3,
+                                                         "col": cell % 3}, resolution, fill=255)
                     small = canvas.resize((resolution, resolution), Image.Resampling.BOX)
                     table[(cell, shape, size)] = np.asarray(small, dtype=np.float32) / 255
         _TEMPLATES[resolution] = table

@@ -7,11 +7,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def command(args, torchrun=0, torchrun_args=()):
+    """The command line of a script (`args[0]`): plain python, or torchrun with `torchrun` processes per node."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--nproc_per_node", str(torchrun)] \
+        if torchrun else [sys.executable]
+    return launcher + list(args)
+
+
 def run(args, torchrun=0, check=True):
-    """Run a script (`args[0]`) with plain python, or under torchrun with `torchrun` processes; -> the result."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(torchrun)] if torchrun \
-        else [sys.executable]
-    result = subprocess.run(cmd + args, cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600)
+    """Run a script to its end; -> the result (an AssertionError with its output if it failed and `check`)."""
+    result = subprocess.run(command(args, torchrun), cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600)
     if check and result.returncode != 0:
         raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-3000:]}")

@@ -7,7 +7,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -25,7 +24,7 @@ from trainer.trainer_utils import (
     DistInfo, StopSignal, UserError, add_training_args, check_resume, load_weights, lr_at, save_weights, train,
 )
 
-from tests.scripts import ENV, REPO, run
+from tests.scripts import ENV, REPO, command, run
 
 SCRIPT = "trainer/train_pretrain.py"
 QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
@@ -306,10 +305,8 @@ def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
 
 
 def launch(args, torchrun=0, log_path=None, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", *extra, "--nproc_per_node", str(torchrun)] if torchrun \
-        else [sys.executable]
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(cmd + args, cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(command(args, torchrun, extra), cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 

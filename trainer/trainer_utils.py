@@ -216,9 +216,9 @@ def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
     try:
         model.load_state_dict({k: v.float() for k, v in
                                load_safetensors(checkpoint_file(stem, record, ".safetensors")).items()})
-        if os.path.exists(checkpoint_file(stem, record, ".components.safetensors")):
-            components.load_trained_state_dict(
-                load_safetensors(checkpoint_file(stem, record, ".components.safetensors")))
+        components_file = checkpoint_file(stem, record, ".components.safetensors")
+        if os.path.basename(components_file) in record["files"]:
+            components.load_trained_state_dict(load_safetensors(components_file))
     except (StateDictMismatchError, RuntimeError) as e:
         raise UserError(f"{manifest_path(stem)}: {str(e).splitlines()[0][:400]}") from None
     return model.to(device).eval(), components.to(device), record
@@ -320,6 +320,18 @@ def save_grid(path, images, captions, columns=None):
         captioned_grid(images, captions, columns=columns).save(tmp, format="PNG")
 
 
+def to_uint8(images):
+    """[N, 3, H, W] in [-1, 1] -> uint8 array [N, H, W, 3], as PNGs store them."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+def sampling_settings(record, steps=None, cfg=None, shift=None):
+    """Sampler settings: the ones given, else what the run sampled its grids with (its weights record)."""
+    saved = record["sampling"]
+    return {"steps": steps or saved["steps"], "cfg": saved["cfg"] if cfg is None else cfg,
+            "shift": saved["shift"] if shift is None else shift}
+
+
 def captioned_grid(images, captions, tile=128, columns=None):
     """A PNG-ready PIL grid: each image upscaled to `tile` px with its caption underneath."""
     from PIL import Image, ImageDraw, ImageFont
@@ -331,8 +343,7 @@ def captioned_grid(images, captions, tile=128, columns=None):
     grid = Image.new("RGB", (columns * tile, rows * (tile + text_h)), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default()
-    for i, (img, caption) in enumerate(zip(images, captions)):
-        arr = ((img.clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    for i, (arr, caption) in enumerate(zip(to_uint8(images), captions)):
         pil = Image.fromarray(arr).resize((tile, tile), Image.NEAREST)
         x, y = (i % columns) * tile, (i // columns) * (tile + text_h)
         grid.paste(pil, (x, y))
@@ -547,7 +558,6 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
                   "plan_batch": plan_batch, "dataset_size": len(dataset), "model": to_cpu(model.state_dict()),
                   "optimizer": to_cpu(optimizer.state_dict()), "ema": to_cpu(ema.shadow) if ema is not None else None,
                   "rng": to_cpu(rng), "wandb_id": wandb_id, "args": vars(args)}
-        check_state_dict(model, resume["model"])
         # the resume checkpoint first: if the weights export is cut short, training can still continue
         written = save_checkpoint(resume_at, step, {"kind": "resume", "stage": stage, "preset": args.preset,
                                                     "samples_seen": samples_seen}, {".pt": resume})
