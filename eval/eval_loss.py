@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
+from model.file_io import atomic_write_text  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main  # noqa: E402
 
@@ -68,8 +69,8 @@ def main():
     print("sigma  " + "  ".join(f"{s:6.1f}" for s in SIGMAS))
     print("loss   " + "  ".join(f"{v:6.4f}" for v in losses.values()))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"weights": name, "step": record["step"], "losses": losses, "mean": mean}, f, indent=2)
+        atomic_write_text(args.json, json.dumps({"weights": name, "step": record["step"], "losses": losses,
+                                                 "mean": mean}, indent=2) + "\n")
     print(f"mean held-out loss: {mean:.4f}" if args.split == "heldout" else f"mean loss: {mean:.4f}")
 
 
