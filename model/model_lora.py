@@ -1,0 +1,203 @@
+"""Hand-written LoRA for SD3-Light: low-rank adapters on chosen nn.Linear layers, in diffusers' file format.
+
+    W x  ->  W x + (alpha / rank) * B (A x),   A: [rank, in] random, B: [out, rank] zeros (so training starts at W)
+
+`apply_lora(model, targets, rank, alpha)` swaps each targeted nn.Linear for a LoRALinear *in place of* it: the
+base weight and bias keep their names (`...attn.to_q.weight`), and the adapter adds `...attn.to_q.lora_A.weight`
+and `.lora_B.weight`. Those are exactly the names of diffusers' LoRA interchange format once prefixed with
+`transformer.`, so a saved adapter loads with `StableDiffusion3Pipeline.load_lora_weights` and ComfyUI-style
+tools (../shared/REFERENCE.md section 4). The file records alpha, so the scale is exact everywhere.
+"""
+import json
+import math
+import re
+
+import torch
+import torch.nn as nn
+
+# Module-name suffixes, matched against the last parts of each nn.Linear's path in the model.
+TARGET_GROUPS = {
+    # all attention projections of both streams (image: to_*, text: add_*_proj / to_add_out); attn2 in SD3.5 too
+    "attention": ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    "ff": ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
+    "adaln": ("norm1.linear", "norm1_context.linear"),
+}
+DEFAULT_TARGETS = ("attention",)
+FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters
+METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and targets from
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear (same weight and bias parameters, so the same state-dict names) plus a low-rank update."""
+
+    def __init__(self, base, rank, alpha, dropout=0.0):
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate and initialise a weight we do not want
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the very same tensors: nothing copied
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as nn.Linear (and peft) initialise
+        nn.init.zeros_(self.lora_B.weight)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.merged = False
+
+    def delta_weight(self):
+        """scale * B @ A in fp32: the change this adapter makes to the base weight."""
+        return self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+
+    def forward(self, x):
+        y = super().forward(x)
+        if self.merged:
+            return y
+        update = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
+        return y + (self.scale * update).to(y.dtype)
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
+            self.merged = False
+
+    def extra_repr(self):
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
+
+
+def resolve_targets(targets):
+    """Group names ("attention", "ff", "adaln") and module-name suffixes -> a tuple of suffixes."""
+    if isinstance(targets, str):
+        targets = [t for t in re.split(r"[,\s]+", targets) if t]
+    suffixes = []
+    for target in targets:
+        suffixes += TARGET_GROUPS.get(target, (target,))
+    return tuple(dict.fromkeys(suffixes))
+
+
+def _matches(name, suffixes):
+    return any(name == s or name.endswith("." + s) for s in suffixes)
+
+
+def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0):
+    """Freeze `model` and put a LoRA on every nn.Linear whose name ends with a target suffix.
+    -> the adapted module names. alpha defaults to rank (scale 1)."""
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+    alpha = float(rank if alpha is None else alpha)
+    suffixes = resolve_targets(targets)
+    model.requires_grad_(False)
+    names = [name for name, module in model.named_modules()
+             if type(module) is nn.Linear and _matches(name, suffixes)]
+    if not names:
+        raise ValueError(f"no nn.Linear in the model matches the LoRA targets {', '.join(suffixes)}")
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout))
+    return names
+
+
+def lora_layers(model):
+    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+
+
+def lora_parameters(model):
+    return [p for layer in lora_layers(model).values() for p in (layer.lora_A.weight, layer.lora_B.weight)]
+
+
+def merge_lora(model):
+    for layer in lora_layers(model).values():
+        layer.merge()
+
+
+def unmerge_lora(model):
+    for layer in lora_layers(model).values():
+        layer.unmerge()
+
+
+def lora_state_dict(model):
+    """The adapters in diffusers' interchange names: transformer.<module>.lora_A.weight / .lora_B.weight."""
+    state = {}
+    for name, layer in lora_layers(model).items():
+        state[f"{FILE_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach()
+        state[f"{FILE_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach()
+    return state
+
+
+def lora_config(model):
+    """rank, alpha and the adapted modules: what rebuilding the adapters needs (one rank and alpha per model)."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA layers")
+    settings = {(layer.rank, layer.alpha) for layer in layers.values()}
+    if len(settings) != 1:
+        raise ValueError(f"LoRA layers with different rank/alpha {sorted(settings)}; one file holds one setting")
+    (rank, alpha), = settings
+    return {"rank": rank, "alpha": alpha, "target_modules": sorted(layers)}
+
+
+def file_metadata(config, record=None):
+    """safetensors metadata: diffusers' adapter config (rank, alpha, targets) plus our own record."""
+    adapter = {"r": config["rank"], "lora_alpha": config["alpha"], "target_modules": config["target_modules"]}
+    metadata = {METADATA_KEY: json.dumps({FILE_PREFIX + k: v for k, v in adapter.items()})}
+    if record is not None:
+        metadata["minisd3"] = json.dumps(record)
+    return metadata
+
+
+def config_from_metadata(metadata):
+    """-> {"rank", "alpha", "target_modules"} from a LoRA file's metadata written by file_metadata."""
+    if not metadata or METADATA_KEY not in metadata:
+        raise ValueError("the LoRA file has no adapter metadata (rank, alpha, targets)")
+    adapter = json.loads(metadata[METADATA_KEY])
+    return {"rank": int(adapter[FILE_PREFIX + "r"]), "alpha": float(adapter[FILE_PREFIX + "lora_alpha"]),
+            "target_modules": list(adapter[FILE_PREFIX + "target_modules"])}
+
+
+def load_lora_state_dict(model, state):
+    """Copy interchange-format adapters into a model that already has them; strict: every key must match."""
+    own = lora_state_dict(model)
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
+             if k in state and state[k].shape != own[k].shape]
+    if missing or unexpected or wrong:
+        parts = [f"{label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+        raise ValueError("LoRA weights do not fit the model; " + "; ".join(parts))
+    with torch.no_grad():
+        for key, value in state.items():
+            own[key].copy_(value)
+
+
+def save_lora(model, path, record=None):
+    """Write the adapters to one safetensors file (atomic, read back and compared) with rank, alpha and targets
+    in diffusers' metadata, and `record` (base weights, stage...) in ours. -> the file's size and sha256."""
+    from trainer.checkpoint import write_safetensors
+
+    state = {k: v.contiguous() for k, v in lora_state_dict(model).items()}
+    return write_safetensors(path, state, metadata=file_metadata(lora_config(model), record))
+
+
+def read_lora_file(path):
+    """-> (interchange state dict, adapter config, our record or None)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    record = json.loads(metadata["minisd3"]) if "minisd3" in metadata else None
+    return state, config_from_metadata(metadata), record
+
+
+def load_lora(model, path, dropout=0.0):
+    """Put the adapters of a LoRA file on `model` (adding the layers if it has none) -> our record or None."""
+    state, config, record = read_lora_file(path)
+    if not lora_layers(model):
+        apply_lora(model, config["target_modules"], config["rank"], config["alpha"], dropout)
+    load_lora_state_dict(model, state)
+    return record
