@@ -33,7 +33,7 @@ from dataset.shapes import (  # noqa: E402
 from eval.shape_scorer import find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, load_weights, run_main, sample_images, sampling_settings, save_grid, to_uint8,
+    DEFAULT_OUT_DIR, load_weights, run_main, run_name, sample_images, sampling_settings, save_grid, to_uint8,
 )
 
 TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
@@ -183,7 +183,7 @@ def main():
         specs = all_prompts(args.prompts_per_task)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, components, record = load_weights(args.weights, args.out_dir, device)
-        name = f"{record['stage']}_{record['preset']}"
+        name = run_name(record["stage"], record["preset"])
         sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
         captions = [spec["caption"] for spec in specs for _ in range(args.seeds)]
         images = []

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
-from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main  # noqa: E402
+from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main, run_name  # noqa: E402
 
 SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
@@ -63,7 +63,7 @@ def main():
     losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device,
                              record["prediction"], args.seed)
     mean = sum(losses.values()) / len(losses)
-    name = f"{record['stage']}_{record['preset']}"
+    name = run_name(record["stage"], record["preset"])
     print(f"{name} step {record['step']}, {min(args.num_samples, len(dataset))} samples of {args.data} "
           f"({args.split if args.data == 'builtin' else 'user data'})")
     print("sigma  " + "  ".join(f"{s:6.1f}" for s in SIGMAS))

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, load_weights, run_main, sample_images, sampling_settings, save_grid,
+    DEFAULT_OUT_DIR, UserError, load_weights, run_main, run_name, sample_images, sampling_settings, save_grid,
 )
 
 
@@ -43,7 +43,7 @@ def main():
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
     images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
                            resolution=record["resolution"], device=device, prediction=record["prediction"])
-    name = f"{record['stage']}_{record['preset']}"
+    name = run_name(record["stage"], record["preset"])
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     print(f"{len(all_prompts)} images ({sampling['steps']} steps, cfg {sampling['cfg']}, shift {sampling['shift']}) "

@@ -49,18 +49,22 @@ _TEMPLATES = {}
 
 
 def templates(resolution):
-    """{(cell, shape, size): coverage [H, W] in [0, 1]}, drawn exactly as the renderer draws objects."""
+    """-> ({(cell, shape, size): the cell's coverage [9 shifts, h, w] in [0, 1]}, the least coverage an object
+    must have), drawn exactly as the renderer draws objects; made once per resolution."""
     if resolution not in _TEMPLATES:
         table, big = {}, resolution * SUPERSAMPLE
         for cell in range(9):
+            rows, cols = cell_slices(resolution, cell)
             for shape in SHAPES:
                 for size in SIZES:
                     canvas = Image.new("L", (big, big), 0)
                     draw_object(ImageDraw.Draw(canvas), {"shape": shape, "size": size, "row": cell // 3,
                                                          "col": cell % 3}, resolution, fill=255)
                     small = canvas.resize((resolution, resolution), Image.Resampling.BOX)
-                    table[(cell, shape, size)] = np.asarray(small, dtype=np.float32) / 255
-        _TEMPLATES[resolution] = table
+                    template = (np.asarray(small, dtype=np.float32) / 255)[rows, cols]
+                    table[(cell, shape, size)] = np.stack([np.roll(template, shift, (0, 1)) for shift in SHIFTS])
+        min_coverage = 0.5 * min(t[0].sum() for t in table.values())
+        _TEMPLATES[resolution] = table, min_coverage
     return _TEMPLATES[resolution]
 
 
@@ -68,8 +72,7 @@ def find_objects(image):
     """uint8 [H, W, 3] (square) -> [{"color", "shape" (None if unrecognised), "size", "row", "col", "position",
     "distance"}], one per occupied cell, row-major."""
     resolution = image.shape[0]
-    table = templates(resolution)
-    min_coverage = 0.5 * min(t.sum() for t in table.values())
+    table, min_coverage = templates(resolution)
     colour, alpha = colour_coverage(image)
     found = []
     for cell in range(9):
@@ -83,9 +86,8 @@ def find_objects(image):
         best, best_distance = None, np.inf
         for shape in SHAPES:
             for size in SIZES:
-                template = table[(cell, shape, size)][rows, cols]
-                distance = min(np.abs(np.roll(template, shift, (0, 1)) - coverage).sum() for shift in SHIFTS)
-                distance /= template.sum()
+                shifted = table[(cell, shape, size)]
+                distance = np.abs(shifted - coverage).sum((1, 2)).min() / shifted[0].sum()
                 if distance < best_distance:
                     best, best_distance = (shape, size), distance
         shape, size = best if best_distance <= REJECT_DISTANCE else (None, best[1])

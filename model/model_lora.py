@@ -14,6 +14,9 @@ import re
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
+
+from trainer.checkpoint import write_safetensors
 
 # Module-name suffixes, matched against the last parts of each nn.Linear's path in the model.
 TARGET_GROUPS = {
@@ -177,16 +180,12 @@ def load_lora_state_dict(model, state):
 def save_lora(model, path, record=None):
     """Write the adapters to one safetensors file (atomic, read back and compared) with rank, alpha and targets
     in diffusers' metadata, and `record` (base weights, stage...) in ours. -> the file's size and sha256."""
-    from trainer.checkpoint import write_safetensors
-
     state = {k: v.contiguous() for k, v in lora_state_dict(model).items()}
     return write_safetensors(path, state, metadata=file_metadata(lora_config(model), record))
 
 
 def read_lora_file(path):
     """-> (interchange state dict, adapter config, our record or None)."""
-    from safetensors import safe_open
-
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
         state = {k: f.get_tensor(k) for k in f.keys()}

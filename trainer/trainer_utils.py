@@ -175,6 +175,11 @@ class EpochSampler(torch.utils.data.Sampler):
 # Weights and resume checkpoints (trainer/checkpoint.py: verified files, committed by a manifest)
 
 
+def run_name(stage, preset):
+    """What a run's files are called: pretrain_tiny.json, pretrain_tiny_metrics.jsonl, pretrain_tiny_resume.json."""
+    return f"{stage}_{preset}"
+
+
 def weights_stem(out_dir, name):
     return os.path.join(out_dir, name)
 
@@ -466,7 +471,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from tqdm import tqdm
 
-    name, device = f"{stage}_{args.preset}", info.device
+    name, device = run_name(stage, args.preset), info.device
     weights_at, resume_at = weights_stem(args.out_dir, name), resume_stem(args.save_dir, name)
     metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
     model.to(device).train()
