@@ -44,7 +44,7 @@ def main():
     for p in model.parameters():  # one step, so the optimizer holds its moments as during training
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    ema = EMA(model, 0.995)
+    ema = EMA(model.state_dict(), 0.995)
     resume = {"kind": "resume", "step": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
               "ema": ema.shadow, "rng": [{"train": torch.Generator().get_state(), "torch": torch.get_rng_state()}]}
     record = {"stage": "bench", "preset": args.preset, "transformer": model.config.to_dict()}

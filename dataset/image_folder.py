@@ -195,10 +195,15 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
 
 def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0):
-    """'builtin' -> ShapesDataset(split, ...); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and
-    seed only apply to the built-in data). Anything else raises DatasetError."""
-    if data == "builtin":
-        dataset = ShapesDataset(split, num_samples or 20000, resolution, seed)
-        log(f"dataset builtin: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
+    """'builtin' -> ShapesDataset(split, ...), 'builtin:white' the same in white only (or other colours, comma
+    separated); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and seed only apply to the built-in
+    data). Anything else raises DatasetError."""
+    if data == "builtin" or data.startswith("builtin:"):
+        colors = [c for c in data.partition(":")[2].split(",") if c] or None
+        try:
+            dataset = ShapesDataset(split, num_samples or 20000, resolution, seed, colors=colors)
+        except ValueError as e:
+            raise DatasetError(f"--data {data}: {e}") from None
+        log(f"dataset {data}: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
         return dataset
     return ImageCaptionDataset(data, resolution, log=log)

@@ -37,6 +37,12 @@ COLORS = {
     "purple": (140, 50, 200),
     "pink": (255, 105, 180),
 }
+# Colours the default data never draws: `--data builtin:white` is the built-in world in white only, for the LoRA
+# demo (teaching the pretrained model a word it never saw). White is far from every palette colour and the grey.
+NEW_COLORS = {
+    "white": (235, 235, 235),
+}
+ALL_COLORS = {**COLORS, **NEW_COLORS}
 SHAPES = ("circle", "square", "triangle", "star", "diamond")
 SIZES = ("small", "large")
 # 3x3 grid cells, row-major, named as they appear in captions.
@@ -117,8 +123,8 @@ MAX_CAPTION_WORDS = max(len(caption.split()) for caption in all_captions())
 # Layout: what goes where (no pixels yet)
 
 
-def _random_object(rng, size=None):
-    return {"color": rng.choice(list(COLORS)), "shape": rng.choice(SHAPES), "size": size or rng.choice(SIZES)}
+def _random_object(rng, colors, size=None):
+    return {"color": rng.choice(colors), "shape": rng.choice(SHAPES), "size": size or rng.choice(SIZES)}
 
 
 def _place(obj, cell):
@@ -126,18 +132,18 @@ def _place(obj, cell):
     return {**obj, "position": POSITIONS[cell], "row": row, "col": col}
 
 
-def _random_layout(rng, kind):
-    """One draw of (objects, count, relation) for a sample of this kind."""
+def _random_layout(rng, kind, colors):
+    """One draw of (objects, count, relation) for a sample of this kind, in the given colours."""
     if kind == "single":
-        return [_place(_random_object(rng), rng.randrange(9))], None, None
+        return [_place(_random_object(rng, colors), rng.randrange(9))], None, None
     if kind == "relation":
         relation = rng.choice(list(RELATIONS))
         holds = RELATIONS[relation]
         cells = [(a, b) for a in range(9) for b in range(9) if holds(divmod(a, 3), divmod(b, 3))]
         a, b = rng.choice(cells)
-        return [_place(_random_object(rng), a), _place(_random_object(rng), b)], None, relation
+        return [_place(_random_object(rng, colors), a), _place(_random_object(rng, colors), b)], None, relation
     count = rng.choice(list(NUMBER_WORDS))
-    obj = _random_object(rng)
+    obj = _random_object(rng, colors)
     return [_place(obj, cell) for cell in sorted(rng.sample(range(9), count))], count, None
 
 
@@ -188,6 +194,18 @@ def image_to_tensor(image):
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float().div(127.5).sub(1.0)
 
 
+# Fixed prompts for the sample grids of runs on the default data: single objects, relations and counts. Purple
+# triangles, orange circles and cyan stars are held-out pairs: they never appear in training. The last prompt is
+# unconditional.
+SAMPLE_PROMPTS = [
+    "a large red circle in the center", "a small blue square at the top left", "a large yellow star at the bottom",
+    "a small green diamond on the right", "a large purple triangle in the center", "a large orange circle on the left",
+    "a blue square to the left of a yellow triangle", "a red star above a green circle",
+    "a pink diamond below an orange square", "a cyan star to the right of a purple circle",
+    "two green stars", "three red circles", "four blue squares", "two purple triangles", "three pink diamonds",
+    "",
+]
+
 # ----------------------------------------------------------------------------------------------------------------
 # The dataset
 
@@ -195,11 +213,17 @@ def image_to_tensor(image):
 class ShapesDataset(torch.utils.data.Dataset):
     """Deterministic captioned shapes. Items are {"image": [3, H, W] in [-1, 1], "caption": str}."""
 
-    def __init__(self, split="train", num_samples=20000, resolution=32, seed=0):
+    def __init__(self, split="train", num_samples=20000, resolution=32, seed=0, colors=None):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if resolution < 16:
             raise ValueError(f"resolution must be at least 16 (3x3 grid of recognisable shapes), got {resolution}")
+        self.colors = tuple(colors or COLORS)  # the default data draws every palette colour
+        unknown = [c for c in self.colors if c not in ALL_COLORS]
+        if unknown:
+            raise ValueError(f"unknown colour {', '.join(unknown)}; the built-in colours are {', '.join(ALL_COLORS)}")
+        if split == "heldout" and not any((c, s) in HELD_OUT_PAIRS for c in self.colors for s in SHAPES):
+            raise ValueError(f"no held-out pair has the colours {', '.join(self.colors)}")
         self.split, self.num_samples, self.resolution, self.seed = split, int(num_samples), int(resolution), seed
 
     def __len__(self):
@@ -215,7 +239,7 @@ class ShapesDataset(torch.utils.data.Dataset):
         background = rng.choice(list(BACKGROUNDS))
         want_held_out = self.split == "heldout"
         while True:  # rejection sampling keeps each split an exact conditional of the same distribution
-            objects, count, relation = _random_layout(rng, kind)
+            objects, count, relation = _random_layout(rng, kind, self.colors)
             pairs = [(o["color"], o["shape"]) for o in objects]
             if kind == "relation" and pairs[0] == pairs[1]:
                 continue  # "a red star to the left of a red star" would not say which star is which
@@ -239,7 +263,7 @@ class ShapesDataset(torch.utils.data.Dataset):
         canvas = Image.new("RGB", (size, size), BACKGROUNDS[metadata["background"]])
         draw = ImageDraw.Draw(canvas)
         for obj in metadata["objects"]:
-            draw_object(draw, obj, self.resolution, COLORS[obj["color"]])
+            draw_object(draw, obj, self.resolution, ALL_COLORS[obj["color"]])
         return canvas.resize((self.resolution, self.resolution), Image.Resampling.BOX)
 
     def sample(self, i):
@@ -250,6 +274,20 @@ class ShapesDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         image, caption, _ = self.sample(i)
         return {"image": image_to_tensor(image), "caption": caption}
+
+    def sample_prompts(self):
+        """Fixed prompts for the sample grids of a run on this data. In other colours than the default's (the
+        LoRA demo): every shape and some counts in the first of them, then default prompts to show what else
+        the model still draws."""
+        if set(self.colors) == set(COLORS):
+            return list(SAMPLE_PROMPTS)
+        color = self.colors[0]
+        where = ["center", "top left", "bottom", "right", "center"]
+        own = [single_caption(color, shape, size, position)
+               for shape, size, position in zip(SHAPES, ("large", "small", "large", "small", "large"), where)]
+        own += [count_caption(2, color, "star"), count_caption(3, color, "circle"),
+                relation_caption((color, "square"), "to the left of", ("yellow", "triangle"))]
+        return own + SAMPLE_PROMPTS[:6] + SAMPLE_PROMPTS[10:11] + SAMPLE_PROMPTS[-1:]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -30,10 +30,10 @@ from dataset.shapes import (  # noqa: E402
     COLORS, HELD_OUT_PAIRS, NUMBER_WORDS, POSITIONS, RELATIONS, SHAPES, SIZES, ShapesDataset, count_caption,
     image_to_tensor, relation_caption, single_caption,
 )
-from eval.shape_scorer import find_objects  # noqa: E402
+from eval.shape_scorer import COLOR_NAMES, find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, load_weights, run_main, run_name, sample_images, sampling_settings, save_grid, to_uint8,
+    DEFAULT_OUT_DIR, load_for_sampling, run_main, run_name, sample_images, sampling_settings, save_grid, to_uint8,
 )
 
 TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
@@ -47,14 +47,17 @@ HELD_PAIRS = sorted(HELD_OUT_PAIRS)
 # Prompts: fixed sets, a pure function of (task, split, number)
 
 
-def prompt_set(task, split, n):
-    """n distinct prompt specs {"task", "split", "caption", "objects": [(colour, shape)], ...} for a task."""
-    rng = random.Random(f"geneval-{task}-{split}")
+def prompt_set(task, split, n, pairs=None):
+    """n distinct prompt specs {"task", "split", "caption", "objects": [(colour, shape)], ...} for a task. Each
+    prompt holds a pair of the split, or of `pairs` if given (e.g. a colour taught by a LoRA)."""
+    rng = random.Random(f"geneval-{task}-{split}" + (f"-{pairs}" if pairs else ""))
+    own = pairs or (HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
+    others = TRAIN_PAIRS + own if split == "heldout" or pairs else TRAIN_PAIRS
     kind, specs, captions = PROMPT_KIND[task], [], set()
     for _ in range(100 * n):
         if len(specs) == n:
             break
-        pair = rng.choice(HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
+        pair = rng.choice(own)
         spec = {"task": task, "split": split, "kind": kind}
         if kind == "single":
             size, position = rng.choice(SIZES), rng.choice(POSITIONS)
@@ -64,7 +67,7 @@ def prompt_set(task, split, n):
             count = rng.choice(list(NUMBER_WORDS))
             spec.update(objects=[pair], count=count, caption=count_caption(count, *pair))
         else:  # a held-out relation prompt holds at least one held-out pair, on either side
-            other = rng.choice(TRAIN_PAIRS + HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
+            other = rng.choice(others)
             first, second = (pair, other) if rng.random() < 0.5 else (other, pair)
             if first == second:
                 continue
@@ -125,21 +128,24 @@ def ground_truth_image(spec, resolution, rng):
     return np.asarray(image)
 
 
-def score(specs, images_per_spec):
-    """-> ({task: {split: accuracy}}, {split: overall}, failures [(spec, seed, found)])."""
+def score(specs, images_per_spec, colors=COLOR_NAMES):
+    """-> ({task: {split: accuracy}}, {split: overall}, failures [(spec, seed, found)]). `colors`: the palette
+    the scorer reads."""
     right, total, failures = {}, {}, []
     for spec, images in zip(specs, images_per_spec):
         key = (spec["task"], spec["split"])
         for seed, image in enumerate(images):
-            found = find_objects(image)
+            found = find_objects(image, colors)
             ok = is_correct(spec, found)
             right[key] = right.get(key, 0) + ok
             total[key] = total.get(key, 0) + 1
             if not ok:
                 failures.append((spec, seed, found, image))
-    table = {task: {split: right[(task, split)] / total[(task, split)] for split in ("train", "heldout")
+    splits = list(dict.fromkeys(spec["split"] for spec in specs))
+    table = {task: {split: right[(task, split)] / total[(task, split)] for split in splits
                     if (task, split) in total} for task in TASKS}
-    overall = {split: float(np.mean([table[task][split] for task in TASKS])) for split in ("train", "heldout")}
+    overall = {split: float(np.mean([table[task][split] for task in TASKS if split in table[task]]))
+               for split in splits}
     return table, overall, failures
 
 
@@ -155,12 +161,27 @@ def ground_truth_accuracy(prompts_per_task=24, seeds=4, resolution=32, seed=0):
     return score(specs, [[ground_truth_image(spec, resolution, rng) for _ in range(seeds)] for spec in specs])
 
 
+def generate(model, components, record, specs, seeds, sampling, seed=0, batch_size=256):
+    """Sample `seeds` images of each spec's caption (fixed noise) -> [uint8 [seeds, H, W, 3] per spec]."""
+    captions = [spec["caption"] for spec in specs for _ in range(seeds)]
+    images = []
+    for start in tqdm(range(0, len(captions), batch_size), desc="sampling", leave=False):
+        batch = captions[start:start + batch_size]
+        images += list(to_uint8(sample_images(model, components, batch, seed=seed + start, **sampling,
+                                              resolution=record["resolution"], device=next(model.parameters()).device,
+                                              prediction=record["prediction"])))
+    return [images[k:k + seeds] for k in range(0, len(images), seeds)]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="pretrain_tiny", help="a stage name in --out_dir, or a path")
+    parser.add_argument("--weights", default=None, help="a stage name in --out_dir, or a path; default: the "
+                        "LoRA's base weights, else pretrain_tiny")
+    parser.add_argument("--lora", default=None, help="score with this LoRA applied: a name in out/lora, or a path")
+    parser.add_argument("--lora_scale", type=float, default=1.0)
     parser.add_argument("--ground_truth", action="store_true", help="score freshly drawn dataset images instead")
     parser.add_argument("--prompts_per_task", type=int, default=24, help="per task and split (train, held-out)")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt")
@@ -182,18 +203,16 @@ def main():
     else:
         specs = all_prompts(args.prompts_per_task)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model, components, record = load_weights(args.weights, args.out_dir, device)
+        model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
+                                                                   args.lora_scale)
         name = run_name(record["stage"], record["preset"])
+        if lora_record is not None:
+            name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"])
         sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
-        captions = [spec["caption"] for spec in specs for _ in range(args.seeds)]
-        images = []
-        for start in tqdm(range(0, len(captions), args.batch_size), desc="sampling", leave=False):
-            batch = captions[start:start + args.batch_size]
-            images += list(to_uint8(sample_images(model, components, batch, seed=args.seed + start, **sampling,
-                                             resolution=record["resolution"], device=device,
-                                             prediction=record["prediction"])))
-        table, overall, failures = score(specs, [images[k:k + args.seeds] for k in range(0, len(images), args.seeds)])
-        report = {"weights": args.weights, "step": record["step"], "sampling": sampling}
+        table, overall, failures = score(specs, generate(model, components, record, specs, args.seeds, sampling,
+                                                         args.seed, args.batch_size))
+        report = {"weights": record["manifest"], "step": record["step"], "sampling": sampling,
+                  "lora": args.lora, "lora_scale": args.lora_scale}
 
     print(f"{'task':<14} {'train':>6} {'held-out':>9}   ({args.prompts_per_task} prompts x {args.seeds} seeds each)")
     for task in TASKS:

@@ -2,6 +2,11 @@
 
     python eval/eval_sample.py --weights pretrain_tiny --prompt "a large red circle in the center"
     python eval/eval_sample.py --weights out/pretrain_tiny.json --prompt_file prompts.txt --seeds 4
+    python eval/eval_sample.py --lora demo --prompt "a large white star in the center"      # on the LoRA's base
+    python eval/eval_sample.py --lora demo --lora_scale 0.5 --merge --prompt "two white circles"
+
+A LoRA is applied as trained (an extra low-rank term in each adapted layer), or with --merge folded into the
+weights first; both give the same images.
 """
 import argparse
 import os
@@ -11,13 +16,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, load_weights, run_main, run_name, sample_images, sampling_settings, save_grid,
+    DEFAULT_OUT_DIR, UserError, load_for_sampling, read_prompt_file, run_main, run_name, sample_images,
+    sampling_settings, save_grid,
 )
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default="pretrain_tiny", help="a stage name in --out_dir, or a path")
+    parser.add_argument("--weights", default=None, help="a stage name in --out_dir, or a path; default: the "
+                        "LoRA's base weights, else pretrain_tiny")
+    parser.add_argument("--lora", default=None, help="a LoRA name in out/lora (as --lora_name trained it), or a path")
+    parser.add_argument("--lora_scale", type=float, default=1.0, help="0 = the base model, 1 = as trained")
+    parser.add_argument("--merge", action="store_true", help="merge the LoRA into the weights before sampling")
     parser.add_argument("--prompt", action="append", default=[], help="repeatable")
     parser.add_argument("--prompt_file", default=None, help="one prompt per line")
     parser.add_argument("--seeds", type=int, default=1, help="images per prompt")
@@ -29,25 +39,24 @@ def main():
     parser.add_argument("--out", default=None, help="PNG path; default out/samples/<weights>_eval.png")
     args = parser.parse_args()
 
-    prompts = list(args.prompt)
-    if args.prompt_file:
-        if not os.path.exists(args.prompt_file):
-            raise UserError(f"prompt file {args.prompt_file} does not exist")
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts += [line.strip() for line in f if line.strip()]
+    prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
     if not prompts:
         raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompt_file FILE")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, components, record = load_weights(args.weights, args.out_dir, device)
+    model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
+                                                               args.lora_scale, args.merge)
     sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
     images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
                            resolution=record["resolution"], device=device, prediction=record["prediction"])
     name = run_name(record["stage"], record["preset"])
+    if lora_record is not None:
+        name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"]) + ("_merged" if args.merge else "")
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
+    lora = f" + LoRA {args.lora} x{args.lora_scale:g}{' merged' if args.merge else ''}" if args.lora else ""
     print(f"{len(all_prompts)} images ({sampling['steps']} steps, cfg {sampling['cfg']}, shift {sampling['shift']}) "
-          f"from step {record['step']}: {out}")
+          f"from step {record['step']}{lora}: {out}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ resemble the renderer's objects, which is the question the scores ask.
 import numpy as np
 from PIL import Image, ImageDraw
 
-from dataset.shapes import BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, SUPERSAMPLE, draw_object
+from dataset.shapes import ALL_COLORS, BACKGROUNDS, COLORS, POSITIONS, SHAPES, SIZES, SUPERSAMPLE, draw_object
 
-COLOR_NAMES = list(COLORS)
-PALETTE = np.array([COLORS[c] for c in COLOR_NAMES], dtype=np.float32)  # [K, 3]
+COLOR_NAMES = tuple(COLORS)
 BACKGROUND = np.array(BACKGROUNDS["gray"], dtype=np.float32)
 # L1 distance between a cell's coverage and the best template, over the template's area. Ground truth: 0.
 # Single objects from the default run: 0.03-0.38 when right, mostly 0.27-0.33 when wrong.
@@ -29,10 +28,10 @@ REJECT_DISTANCE = 0.4
 SHIFTS = [(dy, dx) for dy in (-1, 0, 1) for dx in (-1, 0, 1)]
 
 
-def colour_coverage(image):
-    """uint8 [H, W, 3] -> (index of each pixel's palette colour [H, W], the part of the pixel it covers [H, W])."""
+def colour_coverage(image, colors=COLOR_NAMES):
+    """uint8 [H, W, 3] -> (index in `colors` of each pixel's colour [H, W], the part of the pixel it covers [H, W])."""
     pixel = image.astype(np.float32)[..., None, :] - BACKGROUND  # [H, W, 1, 3]
-    direction = PALETTE - BACKGROUND  # [K, 3]
+    direction = np.array([ALL_COLORS[c] for c in colors], dtype=np.float32) - BACKGROUND  # [K, 3]
     alpha = np.clip((pixel * direction).sum(-1) / (direction * direction).sum(-1), 0, 1)  # [H, W, K]
     residual = ((pixel - alpha[..., None] * direction) ** 2).sum(-1)
     best = residual.argmin(-1)
@@ -68,17 +67,18 @@ def templates(resolution):
     return _TEMPLATES[resolution]
 
 
-def find_objects(image):
+def find_objects(image, colors=COLOR_NAMES):
     """uint8 [H, W, 3] (square) -> [{"color", "shape" (None if unrecognised), "size", "row", "col", "position",
-    "distance"}], one per occupied cell, row-major."""
+    "distance"}], one per occupied cell, row-major. `colors`: the palette to read (e.g. with a colour taught by
+    a LoRA added)."""
     resolution = image.shape[0]
     table, min_coverage = templates(resolution)
-    colour, alpha = colour_coverage(image)
+    colour, alpha = colour_coverage(image, colors)
     found = []
     for cell in range(9):
         rows, cols = cell_slices(resolution, cell)
         cell_colour, cell_alpha = colour[rows, cols], alpha[rows, cols]
-        per_colour = np.bincount(cell_colour.ravel(), weights=cell_alpha.ravel(), minlength=len(COLOR_NAMES))
+        per_colour = np.bincount(cell_colour.ravel(), weights=cell_alpha.ravel(), minlength=len(colors))
         k = int(per_colour.argmax())
         if per_colour[k] < min_coverage:
             continue
@@ -91,6 +91,6 @@ def find_objects(image):
                 if distance < best_distance:
                     best, best_distance = (shape, size), distance
         shape, size = best if best_distance <= REJECT_DISTANCE else (None, best[1])
-        found.append({"color": COLOR_NAMES[k], "shape": shape, "size": size, "row": cell // 3, "col": cell % 3,
+        found.append({"color": colors[k], "shape": shape, "size": size, "row": cell // 3, "col": cell % 3,
                       "position": POSITIONS[cell], "distance": round(float(best_distance), 4)})
     return found

@@ -113,6 +113,15 @@ def lora_parameters(model):
     return [p for layer in lora_layers(model).values() for p in (layer.lora_A.weight, layer.lora_B.weight)]
 
 
+def set_lora_scale(model, multiplier):
+    """Scale every adapter's update by `multiplier` (0 = the base model, 1 = as trained): alpha/rank * multiplier.
+    Set it before merging; a merged model already holds its update in the weights."""
+    for name, layer in lora_layers(model).items():
+        if layer.merged:
+            raise ValueError(f"{name} is merged: unmerge before changing the LoRA scale")
+        layer.scale = layer.alpha / layer.rank * multiplier
+
+
 def merge_lora(model):
     for layer in lora_layers(model).values():
         layer.merge()
@@ -177,11 +186,18 @@ def load_lora_state_dict(model, state):
             own[key].copy_(value)
 
 
-def save_lora(model, path, record=None):
+def save_lora(model, path, record=None, state=None, dtype=None):
     """Write the adapters to one safetensors file (atomic, read back and compared) with rank, alpha and targets
-    in diffusers' metadata, and `record` (base weights, stage...) in ours. -> the file's size and sha256."""
-    state = {k: v.contiguous() for k, v in lora_state_dict(model).items()}
-    return write_safetensors(path, state, metadata=file_metadata(lora_config(model), record))
+    in diffusers' metadata, and `record` (base weights, stage...) in ours. `state` (e.g. an EMA of the adapters,
+    in interchange names) replaces the model's own adapters and must have exactly their keys and shapes.
+    -> the file's size and sha256."""
+    own = lora_state_dict(model)
+    if state is None:
+        state = own
+    elif set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
+        raise ValueError("the LoRA state to save does not fit the model's adapters")
+    tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
+    return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record))
 
 
 def read_lora_file(path):

@@ -248,10 +248,10 @@ def test_ema_decay_warms_up_then_holds():
     """Early updates follow the weights closely ((1 + step) / (10 + step)); later ones use the set decay."""
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
-    ema = EMA(model, decay=0.99)
+    ema = EMA(model.state_dict(), decay=0.99)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    ema.update(model, step=1)  # decay 2/11: the shadow moves 9/11 of the way
+    ema.update(model.state_dict(), step=1)  # decay 2/11: the shadow moves 9/11 of the way
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11))
-    ema.update(model, step=10_000)  # decay capped at 0.99
+    ema.update(model.state_dict(), step=10_000)  # decay capped at 0.99
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11 + (2 / 11) * 0.01))

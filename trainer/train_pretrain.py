@@ -19,18 +19,9 @@ from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
 from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
 from model.components import BuiltinComponents, check_fits  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
-from trainer.trainer_utils import Logger, UserError, add_training_args, init_distributed, run_main, train  # noqa: E402
-
-# Fixed prompts for the sample grids: single objects, relations and counts. Purple triangles, orange circles and
-# cyan stars are held-out pairs: they never appear in training. The last prompt is unconditional.
-SAMPLE_PROMPTS = [
-    "a large red circle in the center", "a small blue square at the top left", "a large yellow star at the bottom",
-    "a small green diamond on the right", "a large purple triangle in the center", "a large orange circle on the left",
-    "a blue square to the left of a yellow triangle", "a red star above a green circle",
-    "a pink diamond below an orange square", "a cyan star to the right of a purple circle",
-    "two green stars", "three red circles", "four blue squares", "two purple triangles", "three pink diamonds",
-    "",
-]
+from trainer.trainer_utils import (  # noqa: E402
+    Logger, UserError, add_training_args, init_distributed, run_main, sample_prompts_for, train,
+)
 
 
 def main():
@@ -46,9 +37,10 @@ def main():
         config = preset_config(args.preset)
         components = BuiltinComponents(GRAMMAR_WORDS)
         check_fits(components, config)
+        prompts = sample_prompts_for(dataset, args.sample_prompts)
     except (ValueError, DatasetError) as e:
         raise UserError(str(e)) from None
-    train(args, "pretrain", SD3Light(config), components, dataset, info, log, SAMPLE_PROMPTS)
+    train(args, "pretrain", SD3Light(config), components, dataset, info, log, prompts)
 
 
 if __name__ == "__main__":

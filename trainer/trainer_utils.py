@@ -226,7 +226,139 @@ def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
             components.load_trained_state_dict(load_safetensors(components_file))
     except (StateDictMismatchError, RuntimeError) as e:
         raise UserError(f"{manifest_path(stem)}: {str(e).splitlines()[0][:400]}") from None
+    record["manifest"] = manifest_path(stem)  # where it was read from (not part of the file)
     return model.to(device).eval(), components.to(device), record
+
+
+class FullModel:
+    """What pretraining and full SFT train: every weight of the transformer. The resume file and the EMA hold
+    its whole state dict, and the export is a weights checkpoint at `stem` (save_weights). The LoRA stage has
+    its own class with the same methods (trainer/train_lora.py)."""
+
+    def __init__(self, stem):
+        self.stem = stem  # also where a killed save's leftovers are looked for
+
+    def identity(self):
+        """What a resume file must have been trained as, besides the run's arguments."""
+        return {"kind": "full"}
+
+    def state(self, model):
+        return model.state_dict()
+
+    def load_state(self, model, state):
+        model.load_state_dict(state)  # strict: names the keys that do not fit
+
+    def with_state(self, model, state):
+        """A copy of `model` holding `state` (the EMA), for sample grids."""
+        copy = SD3Light(model.config).to(next(model.parameters()).device)
+        copy.load_state_dict(state)
+        return copy
+
+    def export(self, step, model, state, components, record, dtype):
+        """-> bytes written."""
+        return save_weights(self.stem, step, model, state, components.trained_state_dict(), record, dtype)
+
+    def describe(self):
+        return manifest_path(self.stem)
+
+
+# Stages whose weights another stage can start from: `--from_weight pretrain` means out/pretrain_<preset>.
+WEIGHT_STAGES = ("pretrain", "sft")
+
+
+def load_start_weights(args):
+    """The weights a fine-tune starts from: `--from_weight` is a stage name or a path. Their preset must be
+    --preset, and the prediction (x or v) is theirs: args.prediction is set from them.
+    -> (model in fp32, components, record with "manifest": the manifest's path)."""
+    source = run_name(args.from_weight, args.preset) if args.from_weight in WEIGHT_STAGES else args.from_weight
+    model, components, record = load_weights(source, args.out_dir)
+    where = record["manifest"]
+    if record["preset"] != args.preset:
+        raise UserError(f"--from_weight {where} holds '{record['preset']}' weights, not --preset {args.preset}: "
+                        f"pass --preset {record['preset']} or weights of preset {args.preset}")
+    if args.prediction not in (None, record["prediction"]):
+        raise UserError(f"--from_weight {where} predicts {record['prediction']}, not --prediction {args.prediction}: "
+                        "a fine-tune keeps its weights' prediction (leave --prediction unset)")
+    args.prediction = record["prediction"]
+    return model, components, record
+
+
+def weights_identity(record, out_dir):
+    """Which weights a run started from, to check later: the manifest (relative to out_dir when inside it), the
+    step and the transformer file's sha256."""
+    manifest = os.path.abspath(record["manifest"])
+    if os.path.dirname(manifest) == os.path.abspath(out_dir):
+        manifest = os.path.basename(manifest)
+    transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))
+    return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
+
+
+def lora_file(out_dir, name, preset):
+    """Where the LoRA stage writes adapter `name`: out/lora/lora_<name>_<preset>.safetensors."""
+    return os.path.join(out_dir, "lora", run_name(f"lora_{name}", preset) + ".safetensors")
+
+
+def resolve_lora(name_or_path, out_dir):
+    """A LoRA file's path, or a name trained into out_dir/lora (whatever its preset) -> the file's path."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    from model.model_sd3light import PRESETS
+
+    found = [path for preset in PRESETS if os.path.isfile(path := lora_file(out_dir, name_or_path, preset))]
+    if len(found) != 1:
+        what = "no LoRA file" if not found else f"{len(found)} LoRA files ({', '.join(found)})"
+        raise UserError(f"{what} for --lora {name_or_path} in {os.path.join(out_dir, 'lora')}: pass the file's path")
+    return found[0]
+
+
+def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge=False):
+    """Weights to sample from, with a LoRA applied if given: unmerged (an extra low-rank term in each adapted
+    layer) or merged into the weights. `weights` defaults to the LoRA's base, else pretrain_tiny.
+    -> (model, components, record of the weights, record of the LoRA or None)."""
+    from model.model_lora import load_lora, merge_lora, read_lora_file, set_lora_scale
+
+    lora_record, path = None, None
+    if lora:
+        path = resolve_lora(lora, out_dir)
+        try:
+            lora_record = read_lora_file(path)[2] or {}
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{path} is not a readable LoRA file: {e}") from None
+    if weights is None:
+        weights = lora_record["base"]["weights"] if lora_record and "base" in lora_record else "pretrain_tiny"
+    model, components, record = load_weights(weights, out_dir, device)
+    if path:
+        base = lora_record.get("base")
+        if base and base["sha256"] != weights_identity(record, out_dir)["sha256"]:
+            print(f"warning: {path} was trained on other weights ({base['weights']} step {base['step']}) than "
+                  f"{record['manifest']} (step {record['step']})", file=sys.stderr)
+        try:
+            load_lora(model, path)
+        except ValueError as e:
+            raise UserError(f"{path} does not fit {record['manifest']}: {e}") from None
+        set_lora_scale(model, lora_scale)
+        if merge:
+            merge_lora(model)
+    return model, components, record, lora_record
+
+
+def read_prompt_file(path):
+    """One prompt per non-empty line."""
+    if not os.path.isfile(path):
+        raise UserError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def sample_prompts_for(dataset, prompt_file=None, count=8):
+    """The sample grids' prompts: a file's lines if given; else the built-in data's own; else `count` captions
+    spread over the user's dataset, and the unconditional prompt."""
+    if prompt_file:
+        return read_prompt_file(prompt_file)
+    if hasattr(dataset, "sample_prompts"):
+        return dataset.sample_prompts()
+    picks = [dataset.items[k * len(dataset) // count][1] for k in range(min(count, len(dataset)))]
+    return [c for c in dict.fromkeys(picks) if c] + [""]
 
 
 def to_cpu(obj):
@@ -282,17 +414,17 @@ def set_rng_state(state, generator, device):
 
 
 class EMA:
-    """Exponential moving average of the weights, in fp32. The decay warms up as (1 + step) / (10 + step), so a
-    short run is not dominated by its random initial weights."""
+    """Exponential moving average of the trained tensors (a state dict), in fp32. The decay warms up as
+    (1 + step) / (10 + step), so a short run is not dominated by its random initial weights."""
 
-    def __init__(self, model, decay):
+    def __init__(self, state, decay):
         self.decay = decay
-        self.shadow = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        self.shadow = {k: v.detach().float().clone() for k, v in state.items()}
 
     @torch.no_grad()
-    def update(self, model, step):
+    def update(self, state, step):
         decay = min(self.decay, (1 + step) / (10 + step))
-        for k, v in model.state_dict().items():
+        for k, v in state.items():
             if v.is_floating_point():
                 self.shadow[k].lerp_(v.float(), 1 - decay)
             else:
@@ -394,6 +526,8 @@ def add_training_args(parser, **defaults):
     a("--sample_steps", type=int, default=20)
     a("--sample_cfg", type=float, default=2.0, help="classifier-free guidance scale of the sample grids")
     a("--sample_shift", type=float, default=3.0)
+    a("--sample_prompts", default=None, help="file of prompts for the sample grids, one a line; default: fixed "
+      "prompts for the built-in data, else 8 captions of the dataset")
     a("--out_dir", default=DEFAULT_OUT_DIR)
     a("--save_dir", default=DEFAULT_SAVE_DIR)
     a("--from_resume", default="0", help="1 = continue from the resume checkpoint in --save_dir if there is one; "
@@ -415,17 +549,21 @@ RESUME_IDENTITY = ("preset", "resolution", "data", "prediction")
 # Settings that do not change what is trained (paths, saving, sampling, hardware use). Every other argument is
 # part of the recipe: a change is refused unless --force_resume 1, so a typo cannot silently alter a run.
 RESUME_FREE = {"out_dir", "save_dir", "from_resume", "force_resume", "save_interval", "save_dtype",
-               "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "num_workers", "dtype",
+               "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "sample_prompts", "num_workers", "dtype",
                "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids"}
 
 
-def check_resume(state, args, stage, dataset_size):
+def check_resume(state, args, stage, dataset_size, identity=None):
     """Raise a one-line UserError if `state` cannot continue this run; -> the recipe changes accepted by
-    --force_resume (empty when nothing changed)."""
+    --force_resume (empty when nothing changed). `identity`: what is trained (FullModel.identity())."""
     if not isinstance(state, dict) or state.get("kind") != "resume":
         raise UserError("the resume file is not a MiniSD3 resume checkpoint")
     if state["stage"] != stage:
         raise UserError(f"the resume checkpoint is from stage '{state['stage']}', not '{stage}'")
+    saved_identity, identity = state.get("trained", {"kind": "full"}), identity or {"kind": "full"}
+    if saved_identity != identity:
+        raise UserError(f"the resume checkpoint trained {json.dumps(saved_identity)}, this run would train "
+                        f"{json.dumps(identity)}: resume from what it started with, or start a fresh run")
     saved, now = state["args"], vars(args)
 
     def change(k):
@@ -464,15 +602,19 @@ def flow_matching_loss(model, components, batch, generator, args, device, autoca
     return flow_loss(pred, latents, noise, s, args.loss, args.weighting)
 
 
-def train(args, stage, model, components, dataset, info, log, sample_prompts):
-    """Train `model` on `dataset`; save weights to out_dir/<stage>_<preset>.* and the resume checkpoint to
-    save_dir/<stage>_<preset>_resume.*. `log` is a Logger (or any callable taking a message); `sample_prompts`
-    fill the sample grids. Returns the step reached (short of the end if a stop signal came)."""
+def train(args, stage, model, components, dataset, info, log, sample_prompts, trained=None, name=None,
+          sample_first=False):
+    """Train `model`'s trainable parameters on `dataset`. `trained` says what is trained, resumed and exported:
+    by default FullModel, the whole transformer, exported to out_dir/<name>.*; the resume checkpoint goes to
+    save_dir/<name>_resume.*, where `name` defaults to <stage>_<preset>. `log` is a Logger (or any callable
+    taking a message); `sample_prompts` fill the sample grids; `sample_first` also samples the starting weights
+    (step 0) of a fresh run, to compare with. Returns the step reached (short of the end if a stop came)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from tqdm import tqdm
 
-    name, device = run_name(stage, args.preset), info.device
-    weights_at, resume_at = weights_stem(args.out_dir, name), resume_stem(args.save_dir, name)
+    name, device = name or run_name(stage, args.preset), info.device
+    trained = trained or FullModel(weights_stem(args.out_dir, name))
+    resume_at = resume_stem(args.save_dir, name)
     metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
     model.to(device).train()
     components.to(device)
@@ -480,6 +622,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") \
         else None
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise UserError("the model has no trainable parameters")
     # fused: one kernel for all parameters, on CPU too (a quarter of the per-step optimizer time of foreach)
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     global_batch = args.batch_size * args.accumulation_steps * info.world_size
@@ -493,16 +637,16 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     step = epoch = consumed = samples_seen = 0
     plan_batch, wandb_id, ema_shadow = global_batch, None, None
     if info.is_main:  # whatever a killed run left half-written
-        for stem in (weights_at, resume_at, os.path.join(args.out_dir, "samples", name)):
+        for stem in (trained.stem, resume_at, os.path.join(args.out_dir, "samples", name)):
             remove_leftovers(stem)
     resume_from, state = find_resume(str(args.from_resume), resume_at, info)  # saves still go to resume_at
     if state is not None:
-        for change in check_resume(state, args, stage, len(dataset)):
+        for change in check_resume(state, args, stage, len(dataset), trained.identity()):
             log(f"warning: resuming with a changed setting (--force_resume): {change}")
         try:
-            model.load_state_dict(state["model"])
+            trained.load_state(model, state["model"])
             optimizer.load_state_dict(state["optimizer"])
-        except ValueError as e:  # strict: names the keys that do not fit
+        except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{manifest_path(resume_from)} does not fit this model: {' '.join(str(e).split())[:400]}") \
                 from None
         step, epoch, consumed, samples_seen = state["step"], state["epoch"], state["consumed"], state["samples_seen"]
@@ -520,7 +664,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     elif os.path.exists(manifest_path(resume_at)):
         log(f"warning: starting a fresh run; the resume checkpoint at {manifest_path(resume_at)} will be replaced "
             "at the first save (pass --from_resume 1 to continue it instead)")
-    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    ema = EMA(trained.state(model), args.ema_decay) if args.ema_decay > 0 else None
     if ema is not None and ema_shadow is not None:
         ema.shadow = ema_shadow
     plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * (len(dataset) // plan_batch)
@@ -560,23 +704,21 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
                   "args": vars(args)}
         resume = {"kind": "resume", "stage": stage, "step": step, "epoch": epoch, "consumed": consumed,
                   "samples_seen": samples_seen, "world_size": info.world_size, "global_batch": global_batch,
-                  "plan_batch": plan_batch, "dataset_size": len(dataset), "model": to_cpu(model.state_dict()),
+                  "plan_batch": plan_batch, "dataset_size": len(dataset), "trained": trained.identity(),
+                  "model": to_cpu(trained.state(model)),
                   "optimizer": to_cpu(optimizer.state_dict()), "ema": to_cpu(ema.shadow) if ema is not None else None,
                   "rng": to_cpu(rng), "wandb_id": wandb_id, "args": vars(args)}
         # the resume checkpoint first: if the weights export is cut short, training can still continue
         written = save_checkpoint(resume_at, step, {"kind": "resume", "stage": stage, "preset": args.preset,
                                                     "samples_seen": samples_seen}, {".pt": resume})
-        written += save_weights(weights_at, step, model, ema.shadow if ema is not None else model.state_dict(),
-                                components.trained_state_dict(), record, SAVE_DTYPES[args.save_dtype])
+        written += trained.export(step, model, ema.shadow if ema is not None else trained.state(model), components,
+                                  record, SAVE_DTYPES[args.save_dtype])
         log(f"saved step {step}: {written / 1e6:.0f} MB written and verified in {time.perf_counter() - t0:.1f} s")
 
     def sample_grid():
         if not info.is_main:
             return
-        sampler_model = model
-        if ema is not None:
-            sampler_model = SD3Light(model.config).to(device)
-            sampler_model.load_state_dict(ema.shadow)
+        sampler_model = trained.with_state(model, ema.shadow) if ema is not None else model
         images = sample_images(sampler_model, components, sample_prompts, seed=args.seed, steps=args.sample_steps,
                                cfg=args.sample_cfg, shift=args.sample_shift, resolution=args.resolution,
                                device=device, prediction=args.prediction)
@@ -587,6 +729,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
     bar = tqdm(total=step + steps_left, initial=step, desc=stage, dynamic_ncols=True) if info.is_main else None
     if isinstance(log, Logger):
         log.bar = bar  # messages go through the bar while it shows
+    if sample_first and state is None:
+        sample_grid()  # step 0: the starting weights
     nan_streak, t_last, stop = 0, time.perf_counter(), False
     with StopSignal() as stop_signal:
         while samples_seen < total_samples and not stop:
@@ -628,7 +772,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
                     optimizer.step()
                     if ema is not None:
-                        ema.update(model, step)
+                        ema.update(trained.state(model), step)
                     now = time.perf_counter()
                     images_per_s, t_last = global_batch / (now - t_last), now
                     if info.is_main:
@@ -667,7 +811,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts):
         what = signal.Signals(stop_signal.received).name if stop_signal.received else "a stop signal on another rank"
         log(f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1")
     else:
-        log(f"done: {manifest_path(weights_at)} (step {step})")
+        log(f"done: {trained.describe()} (step {step})")
     return step
 
 
