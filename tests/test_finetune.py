@@ -1,0 +1,220 @@
+"""Full SFT and LoRA stages: they start from trained weights, resume exactly like pretraining, LoRA trains only
+its adapters, and the adapters sample the same merged or not."""
+import argparse
+import json
+import os
+import signal
+import sys
+
+import pytest
+import torch
+
+import trainer.train_full_sft as train_full_sft
+import trainer.train_lora as train_lora
+from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
+from model.components import BuiltinComponents
+from model.model_lora import apply_lora, lora_layers, read_lora_file
+from model.model_sd3light import SD3Light, preset_config
+from trainer import checkpoint
+from trainer.checkpoint import first_difference, load_safetensors, load_torch, read_manifest
+from trainer.trainer_utils import (
+    DistInfo, UserError, add_training_args, load_for_sampling, sample_images, train,
+)
+
+from tests.scripts import run
+
+QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
+
+
+def pretrain_weights(out_dir, prediction="x", steps=2):
+    """A briefly pretrained tiny model at out_dir/pretrain_tiny (what the fine-tune stages start from)."""
+    args = add_training_args(argparse.ArgumentParser()).parse_args(
+        ["--batch_size", "2", "--max_steps", str(steps), "--sample_interval", "0", *QUIET, "--prediction", prediction,
+         "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")])
+    torch.manual_seed(0)
+    model = SD3Light(preset_config("tiny"))
+    with torch.no_grad():  # like trained weights, unlike a fresh model: no zero-initialised gates or output layer
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    train(args, "pretrain", model, BuiltinComponents(GRAMMAR_WORDS),
+          ShapesDataset("train", 8, 32), DistInfo(), lambda msg: None, ["a red circle"])
+    return os.path.join(str(out_dir), "pretrain_tiny.json")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return pretrain_weights(tmp_path_factory.mktemp("base"))
+
+
+class SignalAt:
+    """Wraps the stage's datasets; the `at`-th item fetched from any of them sends SIGTERM to this process, as a
+    scheduler would in the middle of a step."""
+
+    def __init__(self, at):
+        self.at, self.fetched = at, 0
+
+    def wrap(self, build):
+        def build_and_wrap(*args, **kwargs):
+            return Fetching(build(*args, **kwargs), self)
+        return build_and_wrap
+
+
+class Fetching(torch.utils.data.Dataset):
+    def __init__(self, data, counter):
+        self.data, self.counter = data, counter
+        if hasattr(data, "sample_prompts"):
+            self.sample_prompts = data.sample_prompts
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        self.counter.fetched += 1
+        if self.counter.fetched == self.counter.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return self.data[i]
+
+
+def run_stage(module, argv, monkeypatch, signal_at=None):
+    """Run a stage script's main() in this process (its datasets wrapped to signal at a fetch)."""
+    monkeypatch.setattr(module, "build_dataset", SignalAt(signal_at).wrap(module.build_dataset))
+    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
+    module.main()
+
+
+def final_state(run_dir, name, export):
+    resume = str(run_dir / "ckpt" / f"{name}_resume")
+    state = load_torch(checkpoint.checkpoint_file(resume, read_manifest(resume, "resume"), ".pt"))
+    state["export"] = export(run_dir)
+    with open(run_dir / "out" / f"{name}_metrics.jsonl") as f:
+        state["logged"] = [{k: row[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_seen")}
+                           for row in map(json.loads, f)]
+    return state
+
+
+def sft_export(run_dir):
+    stem = str(run_dir / "out" / "sft_tiny")
+    return load_safetensors(checkpoint.checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+
+
+def lora_export(run_dir):
+    return read_lora_file(str(run_dir / "out" / "lora" / "lora_demo_tiny.safetensors"))[0]
+
+
+STAGES = {
+    "sft": (train_full_sft, "sft_tiny", sft_export, ["--num_samples", "24"]),
+    "lora": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
+                                                          "--ema_decay", "0.9"]),
+}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkeypatch, stage):
+    module, name, export, data = STAGES[stage]
+
+    def argv(run_dir, *extra):
+        return ["--from_weight", base, *data, "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "9",
+                "--save_interval", "3", "--sample_interval", "0", *QUIET, "--out_dir", str(run_dir / "out"),
+                "--save_dir", str(run_dir / "ckpt"), *extra]
+
+    run_stage(module, argv(tmp_path / "whole"), monkeypatch)
+    # the signal comes while step 5's first micro-batch is fetched (4 samples a step): the step completes first
+    run_stage(module, argv(tmp_path / "cut"), monkeypatch, signal_at=4 * 4 + 1)
+    assert read_manifest(str(tmp_path / "cut" / "ckpt" / f"{name}_resume"), "resume")["step"] == 5
+    run_stage(module, argv(tmp_path / "cut", "--from_resume", "1"), monkeypatch)
+    whole, cut = final_state(tmp_path / "whole", name, export), final_state(tmp_path / "cut", name, export)
+    assert whole["step"] == 9
+    for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
+        assert first_difference(whole[key], cut[key], key) is None, key
+    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
+    # step 0 shows the starting weights; each run's last grid shows where it ended
+    samples = os.listdir(tmp_path / "whole" / "out" / "samples")
+    assert f"{name}_step000000.png" in samples and f"{name}_step000009.png" in samples
+    if stage == "lora":  # the resume file holds the adapters only, the export names its base weights
+        assert whole["model"] and all(".lora_A." in k or ".lora_B." in k for k in whole["model"])
+        assert len(whole["optimizer"]["state"]) == len(whole["model"])
+        record = read_lora_file(str(tmp_path / "whole" / "out" / "lora" / "lora_demo_tiny.safetensors"))[2]
+        assert record["base"]["weights"] == base and record["step"] == 9 and record["stage"] == "lora"
+    else:
+        assert len(whole["model"]) == len(SD3Light(preset_config("tiny")).state_dict())
+
+
+def test_lora_training_changes_only_the_adapters(tmp_path):
+    torch.manual_seed(0)
+    model, components = SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS)
+    with torch.no_grad():  # no zero-initialised gates or output layer: gradients reach every layer at once
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, "attention,ff", rank=4, alpha=8)
+    args = add_training_args(argparse.ArgumentParser()).parse_args(
+        ["--batch_size", "4", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", *QUIET,
+         "--learning_rate", "1e-2", "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")])
+    adapters = train_lora.LoRAAdapters(str(tmp_path / "out" / "lora" / "x.safetensors"), {"weights": "random"})
+    trained_params = [p for p in model.parameters() if p.requires_grad]
+    train(args, "lora", model, components, ShapesDataset("train", 16, 32), DistInfo(), lambda msg: None, ["a"],
+          trained=adapters)
+    after = model.state_dict()
+    assert {k for k in after if k not in before} == {k for k in after if ".lora_" in k}
+    for key, value in before.items():  # every base weight and buffer, bit for bit
+        assert torch.equal(after[key], value), key
+    assert len(trained_params) == 2 * len(lora_layers(model))
+    unchanged = [name for name, layer in lora_layers(model).items() if layer.lora_B.weight.abs().sum() == 0]
+    assert unchanged == ["transformer_blocks.5.attn.add_q_proj"]  # the last block's text queries feed nothing
+
+
+def test_lora_samples_the_same_merged_or_not_and_scale_zero_is_the_base(tmp_path, base, monkeypatch):
+    out = tmp_path / "out"
+    run_stage(train_lora, ["--from_weight", base, "--num_samples", "8", "--prior_data", "none", "--batch_size", "4",
+                           "--max_steps", "2", "--learning_rate", "5e-2", "--sample_interval", "0", *QUIET,
+                           "--out_dir", str(out), "--save_dir", str(tmp_path / "ckpt")], monkeypatch)
+    prompts = ["a large white star in the center", "two white circles", ""]
+
+    def images(weights=None, **lora):  # default weights: the LoRA's base
+        model, components, record, _ = load_for_sampling(weights, str(out), "cpu", **lora)
+        return sample_images(model, components, prompts, seed=0, steps=4, cfg=2.0, shift=3.0, resolution=32,
+                             device="cpu", prediction=record["prediction"])
+
+    plain, merged = images(lora="demo"), images(lora="demo", merge=True)
+    assert torch.allclose(plain, merged, atol=1e-4)
+    base_images, at_zero = images(base), images(lora="demo", lora_scale=0.0)
+    assert torch.equal(base_images, at_zero)
+    assert (plain - base_images).abs().max() > 1e-2  # the adapter does change the images
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["trainer/train_full_sft.py", "trainer/train_lora.py"])
+def test_from_weight_of_another_preset_is_a_one_line_error(tmp_path, base, script):
+    result = run([script, "--from_weight", base, "--preset", "small", "--out_dir", str(tmp_path)], check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds 'tiny' weights, not --preset small" in lines[0]
+
+
+def test_sft_keeps_the_prediction_of_its_weights(tmp_path, monkeypatch):
+    v_weights = pretrain_weights(tmp_path / "v", prediction="v")
+    out = str(tmp_path / "sft")
+    common = ["--from_weight", v_weights, "--num_samples", "8", "--batch_size", "4", "--max_steps", "1",
+              "--sample_interval", "0", *QUIET, "--out_dir", out, "--save_dir", str(tmp_path / "ckpt")]
+    with pytest.raises(UserError, match="predicts v, not --prediction x"):
+        run_stage(train_full_sft, common + ["--prediction", "x"], monkeypatch)
+    run_stage(train_full_sft, common, monkeypatch)
+    assert json.load(open(os.path.join(out, "sft_tiny.json")))["prediction"] == "v"
+
+
+def test_a_resume_on_other_base_weights_is_refused(tmp_path, base, monkeypatch):
+    common = ["--num_samples", "8", "--prior_data", "none", "--batch_size", "4", "--max_steps", "4",
+              "--save_interval", "1", "--sample_interval", "0", *QUIET, "--out_dir", str(tmp_path / "out"),
+              "--save_dir", str(tmp_path / "ckpt")]
+    run_stage(train_lora, ["--from_weight", base] + common, monkeypatch, signal_at=5)  # stops after step 2
+    other = pretrain_weights(tmp_path / "other", steps=3)
+    with pytest.raises(UserError, match="resume checkpoint trained"):
+        run_stage(train_lora, ["--from_weight", other, "--force_resume", "1", "--from_resume", "1"] + common,
+                  monkeypatch)
+
+
+def test_lora_names_and_missing_lora_files_are_one_line_errors(tmp_path, base, monkeypatch):
+    with pytest.raises(UserError, match="letters, digits"):
+        run_stage(train_lora, ["--from_weight", base, "--lora_name", "../x"], monkeypatch)
+    with pytest.raises(UserError, match="no LoRA file for --lora nothing"):
+        load_for_sampling(None, str(tmp_path), "cpu", lora="nothing")
