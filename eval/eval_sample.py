@@ -51,7 +51,8 @@ def main():
                            resolution=record["resolution"], device=device, prediction=record["prediction"])
     name = run_name(record["stage"], record["preset"])
     if lora_record is not None:
-        name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"]) + ("_merged" if args.merge else "")
+        name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"])
+        name += "_merged" if args.merge else ""
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     lora = f" + LoRA {args.lora} x{args.lora_scale:g}{' merged' if args.merge else ''}" if args.lora else ""

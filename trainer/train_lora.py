@@ -5,10 +5,11 @@
     torchrun --nproc_per_node 2 trainer/train_lora.py --data my_images/ --lora_targets attention,ff
 
 The demo's data (`--data builtin:white`) is 40 built-in images whose objects are all white, a colour (and a
-word) the pretrained model never saw, trained alongside 40 ordinary ones so the other colours stay as they were. The adapters go to out/lora/lora_<name>_<preset>.safetensors in diffusers'
-LoRA format (rank, alpha and targets in its metadata, plus which base weights they were trained on), sample
-grids to out/samples/ (step 0 shows the base model), the resume checkpoint (only the adapters, their
-optimizer and EMA) to checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
+word) the pretrained model never saw, trained alongside 120 ordinary ones (`--prior_data`) so that what the model
+drew before changes less. The adapters go to out/lora/lora_<name>_<preset>.safetensors in diffusers' LoRA
+format (rank, alpha and targets in its metadata, plus which base weights they were trained on), sample grids
+to out/samples/ (step 0 shows the base model), the resume checkpoint (only the adapters, their optimizer and
+EMA) to checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 
     python eval/eval_sample.py --lora demo --prompt "a large white star in the center"
 """
@@ -63,11 +64,11 @@ class LoRAAdapters:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # The demo: 40 white images + 40 prior ones, 60 epochs of 5 steps at batch 16 (300 steps, BENCHMARKS.md).
+    # The demo: 40 white images + 120 prior ones, 30 epochs of 10 steps at batch 16 (300 steps, BENCHMARKS.md).
     # Adapters take a high learning rate; fp32 files, since they are small and diffusers applies them exactly;
     # no EMA over so few steps.
     add_training_args(parser, data="builtin:white", num_samples=40, learning_rate=2e-3, warmup_steps=10,
-                      epochs=60, ema_decay=0.0, save_interval=100, sample_interval=0, save_dtype="fp32",
+                      epochs=30, ema_decay=0.0, save_interval=100, sample_interval=0, save_dtype="fp32",
                       caption_dropout=0.0, prediction=None)
     a = parser.add_argument
     a("--from_weight", default="pretrain", help="base weights: a stage name in --out_dir ('pretrain' = "
@@ -79,7 +80,7 @@ def main():
     a("--prior_data", default="auto", help="images trained alongside --data so the model keeps what it already "
       "draws (DreamBooth's prior preservation): a dataset as for --data, 'none', or 'auto' = the built-in shapes "
       "when --data is built-in (the demo), none for your own data")
-    a("--prior_samples", type=int, default=40, help="size of a built-in prior dataset")
+    a("--prior_samples", type=int, default=120, help="size of a built-in prior dataset")
     a("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or module "
       "name suffixes (e.g. to_q,to_v)")
     args = parser.parse_args()

@@ -549,8 +549,8 @@ RESUME_IDENTITY = ("preset", "resolution", "data", "prediction")
 # Settings that do not change what is trained (paths, saving, sampling, hardware use). Every other argument is
 # part of the recipe: a change is refused unless --force_resume 1, so a typo cannot silently alter a run.
 RESUME_FREE = {"out_dir", "save_dir", "from_resume", "force_resume", "save_interval", "save_dtype",
-               "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "sample_prompts", "num_workers", "dtype",
-               "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids"}
+               "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "sample_prompts", "num_workers",
+               "dtype", "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids"}
 
 
 def check_resume(state, args, stage, dataset_size, identity=None):
