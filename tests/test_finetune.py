@@ -218,3 +218,13 @@ def test_lora_names_and_missing_lora_files_are_one_line_errors(tmp_path, base, m
         run_stage(train_lora, ["--from_weight", base, "--lora_name", "../x"], monkeypatch)
     with pytest.raises(UserError, match="no LoRA file for --lora nothing"):
         load_for_sampling(None, str(tmp_path), "cpu", lora="nothing")
+
+
+def test_a_resolution_beyond_the_position_table_is_a_one_line_error(tmp_path):
+    args = add_training_args(argparse.ArgumentParser()).parse_args(
+        ["--resolution", "160", "--batch_size", "2", "--max_steps", "1", "--out_dir", str(tmp_path / "out"),
+         "--save_dir", str(tmp_path / "ckpt")])
+    with pytest.raises(UserError, match="--resolution 160: latent grid 40x40 patches exceeds the position table"):
+        train(args, "sft", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS),
+              ShapesDataset("train", 4, 160), DistInfo(), lambda msg: None, ["a"])
+    assert not os.path.exists(tmp_path / "out" / "sft_tiny.json")

@@ -630,6 +630,13 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     if len(dataset) < global_batch:
         raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch} = "
                         "batch_size x accumulation_steps x processes): lower --batch_size")
+    with torch.no_grad():  # a resolution the model's position table cannot hold: one line now, not a traceback later
+        latent_h, latent_w = components.encode_images(torch.zeros(1, 3, args.resolution, args.resolution,
+                                                                  device=device)).shape[-2:]
+    try:
+        model.pos_embed.cropped_table(latent_h // model.config.patch_size, latent_w // model.config.patch_size)
+    except ValueError as e:
+        raise UserError(f"--resolution {args.resolution}: {e}") from None
     generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, caption dropout
     # Progress: optimizer steps taken, samples seen (all ranks), the epoch and how far into its permutation.
     # The schedule counts samples, in steps of the global batch the run started with (plan_batch), so a resume
