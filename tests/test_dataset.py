@@ -327,3 +327,24 @@ def test_progress_bar_for_many_files(tmp_path, capsys):
     captured = capsys.readouterr()
     assert len(dataset) == 201 and "checking" in captured.err  # tqdm writes to stderr
     assert captured.out.strip() == dataset.summary  # the default log is print
+
+
+def test_builtin_in_a_new_colour_draws_and_names_only_that_colour():
+    """--data builtin:white (the LoRA demo): every object white, every caption says so; the scorer reads it."""
+    from eval.shape_scorer import COLOR_NAMES, find_objects
+
+    dataset = build_dataset("builtin:white", 32, num_samples=40, log=lambda msg: None)
+    assert len(dataset) == 40
+    for i in range(len(dataset)):
+        image, caption, metadata = dataset.sample(i)
+        assert all(o["color"] == "white" for o in metadata["objects"]) and "white" in caption.split()
+        found = find_objects(np.asarray(image), COLOR_NAMES + ("white",))
+        assert sorted((o["row"], o["col"], o["color"], o["shape"]) for o in found) == sorted(
+            (o["row"], o["col"], "white", o["shape"]) for o in metadata["objects"]), caption
+    prompts = dataset.sample_prompts()
+    assert sum("white" in p for p in prompts) == 8 and "" in prompts
+    # plain builtin is still the usual palette
+    assert build_dataset("builtin", 32, num_samples=4, log=lambda msg: None).describe(0) == \
+        ShapesDataset("train", 4, 32).describe(0)
+    with pytest.raises(DatasetError, match="--data builtin:mauve: unknown colour mauve"):
+        build_dataset("builtin:mauve", 32, log=lambda msg: None)
