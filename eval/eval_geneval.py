@@ -33,7 +33,7 @@ from dataset.shapes import (  # noqa: E402
 from eval.shape_scorer import COLOR_NAMES, find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, load_for_sampling, run_main, run_name, sample_images, sampling_settings, save_grid, to_uint8,
+    DEFAULT_OUT_DIR, load_for_sampling, run_main, sample_images, sampling_name, sampling_settings, save_grid, to_uint8,
 )
 
 TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
@@ -205,9 +205,7 @@ def main():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
                                                                    args.lora_scale)
-        name = run_name(record["stage"], record["preset"])
-        if lora_record is not None:
-            name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"])
+        name = sampling_name(record, lora_record)
         sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
         table, overall, failures = score(specs, generate(model, components, record, specs, args.seeds, sampling,
                                                          args.seed, args.batch_size))

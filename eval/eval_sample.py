@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, load_for_sampling, read_prompt_file, run_main, run_name, sample_images,
+    DEFAULT_OUT_DIR, UserError, load_for_sampling, read_prompt_file, run_main, sample_images, sampling_name,
     sampling_settings, save_grid,
 )
 
@@ -49,10 +49,7 @@ def main():
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
     images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
                            resolution=record["resolution"], device=device, prediction=record["prediction"])
-    name = run_name(record["stage"], record["preset"])
-    if lora_record is not None:
-        name = run_name(f"lora_{lora_record['args']['lora_name']}", record["preset"])
-        name += "_merged" if args.merge else ""
+    name = sampling_name(record, lora_record) + ("_merged" if args.merge and lora_record is not None else "")
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     lora = f" + LoRA {args.lora} x{args.lora_scale:g}{' merged' if args.merge else ''}" if args.lora else ""

@@ -171,9 +171,8 @@ def config_from_metadata(metadata):
             "target_modules": list(adapter[FILE_PREFIX + "target_modules"])}
 
 
-def load_lora_state_dict(model, state):
-    """Copy interchange-format adapters into a model that already has them; strict: every key must match."""
-    own = lora_state_dict(model)
+def check_fits(own, state):
+    """Raise a ValueError naming the missing, unexpected and wrong-shape keys if `state` does not fit `own`."""
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
              if k in state and state[k].shape != own[k].shape]
@@ -181,6 +180,12 @@ def load_lora_state_dict(model, state):
         parts = [f"{label}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
                  for label, keys in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
         raise ValueError("LoRA weights do not fit the model; " + "; ".join(parts))
+
+
+def load_lora_state_dict(model, state):
+    """Copy interchange-format adapters into a model that already has them; strict: every key must match."""
+    own = lora_state_dict(model)
+    check_fits(own, state)
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)
@@ -194,8 +199,7 @@ def save_lora(model, path, record=None, state=None, dtype=None):
     own = lora_state_dict(model)
     if state is None:
         state = own
-    elif set(state) != set(own) or any(state[k].shape != own[k].shape for k in own):
-        raise ValueError("the LoRA state to save does not fit the model's adapters")
+    check_fits(own, state)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record))
 
@@ -209,10 +213,16 @@ def read_lora_file(path):
     return state, config_from_metadata(metadata), record
 
 
-def load_lora(model, path, dropout=0.0):
-    """Put the adapters of a LoRA file on `model` (adding the layers if it has none) -> our record or None."""
-    state, config, record = read_lora_file(path)
+def attach_lora(model, state, config, dropout=0.0):
+    """Put adapters (a state dict and config as read_lora_file gives them) on `model`, adding the layers if it
+    has none."""
     if not lora_layers(model):
         apply_lora(model, config["target_modules"], config["rank"], config["alpha"], dropout)
     load_lora_state_dict(model, state)
+
+
+def load_lora(model, path, dropout=0.0):
+    """Put the adapters of a LoRA file on `model` (adding the layers if it has none) -> our record or None."""
+    state, config, record = read_lora_file(path)
+    attach_lora(model, state, config, dropout)
     return record

@@ -22,6 +22,7 @@ from trainer.trainer_utils import (
 )
 
 from tests.scripts import run
+from tests.test_model_sd3light import randomise
 
 QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
 
@@ -32,10 +33,7 @@ def pretrain_weights(out_dir, prediction="x", steps=2):
         ["--batch_size", "2", "--max_steps", str(steps), "--sample_interval", "0", *QUIET, "--prediction", prediction,
          "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")])
     torch.manual_seed(0)
-    model = SD3Light(preset_config("tiny"))
-    with torch.no_grad():  # like trained weights, unlike a fresh model: no zero-initialised gates or output layer
-        for p in model.parameters():
-            p.normal_(0, 0.05)
+    model = randomise(SD3Light(preset_config("tiny")))  # like trained weights: no zero-initialised gates or output
     train(args, "pretrain", model, BuiltinComponents(GRAMMAR_WORDS),
           ShapesDataset("train", 8, 32), DistInfo(), lambda msg: None, ["a red circle"])
     return os.path.join(str(out_dir), "pretrain_tiny.json")
@@ -141,10 +139,8 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
 
 def test_lora_training_changes_only_the_adapters(tmp_path):
     torch.manual_seed(0)
-    model, components = SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS)
-    with torch.no_grad():  # no zero-initialised gates or output layer: gradients reach every layer at once
-        for p in model.parameters():
-            p.normal_(0, 0.05)
+    # no zero-initialised gates or output layer: gradients reach every layer at once
+    model, components = randomise(SD3Light(preset_config("tiny"))), BuiltinComponents(GRAMMAR_WORDS)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     apply_lora(model, "attention,ff", rank=4, alpha=8)
     args = add_training_args(argparse.ArgumentParser()).parse_args(

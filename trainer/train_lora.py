@@ -27,7 +27,7 @@ from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, apply_lora, load_lora_state_dict, lora_state_dict, save_lora,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, add_training_args, init_distributed, load_start_weights, lora_file, run_main, run_name,
+    Logger, UserError, add_training_args, init_distributed, load_start_weights, lora_file, lora_run_name, run_main,
     sample_prompts_for, train, weights_identity,
 )
 
@@ -109,7 +109,7 @@ def main():
         f"{record['manifest']} (step {record['step']}, frozen)")
     trained = LoRAAdapters(lora_file(args.out_dir, args.lora_name, args.preset), weights_identity(record, args.out_dir))
     train(args, "lora", model, components, dataset, info, log, prompts, trained=trained,
-          name=run_name(f"lora_{args.lora_name}", args.preset), sample_first=True)
+          name=lora_run_name(args.lora_name, args.preset), sample_first=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ if REPO_ROOT not in sys.path:
 
 from model.components import build_components, drop_captions  # noqa: E402
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
-from model.model_sd3light import SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict  # noqa: E402
+from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale  # noqa: E402
+from model.model_sd3light import (  # noqa: E402
+    PRESETS, SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict,
+)
 from model.rectified_flow import (  # noqa: E402
     PREDICTIONS, add_noise, euler_sample, flow_loss, predict_velocity, sample_sigmas,
 )
@@ -293,17 +296,20 @@ def weights_identity(record, out_dir):
     return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
 
 
+def lora_run_name(name, preset):
+    """A LoRA run's name: its metrics, samples and resume files are called lora_<name>_<preset>*."""
+    return run_name(f"lora_{name}", preset)
+
+
 def lora_file(out_dir, name, preset):
     """Where the LoRA stage writes adapter `name`: out/lora/lora_<name>_<preset>.safetensors."""
-    return os.path.join(out_dir, "lora", run_name(f"lora_{name}", preset) + ".safetensors")
+    return os.path.join(out_dir, "lora", lora_run_name(name, preset) + ".safetensors")
 
 
 def resolve_lora(name_or_path, out_dir):
     """A LoRA file's path, or a name trained into out_dir/lora (whatever its preset) -> the file's path."""
     if os.path.isfile(name_or_path):
         return name_or_path
-    from model.model_sd3light import PRESETS
-
     found = [path for preset in PRESETS if os.path.isfile(path := lora_file(out_dir, name_or_path, preset))]
     if len(found) != 1:
         what = "no LoRA file" if not found else f"{len(found)} LoRA files ({', '.join(found)})"
@@ -315,13 +321,12 @@ def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge
     """Weights to sample from, with a LoRA applied if given: unmerged (an extra low-rank term in each adapted
     layer) or merged into the weights. `weights` defaults to the LoRA's base, else pretrain_tiny.
     -> (model, components, record of the weights, record of the LoRA or None)."""
-    from model.model_lora import load_lora, merge_lora, read_lora_file, set_lora_scale
-
     lora_record, path = None, None
     if lora:
         path = resolve_lora(lora, out_dir)
         try:
-            lora_record = read_lora_file(path)[2] or {}
+            lora_state, lora_config, lora_record = read_lora_file(path)
+            lora_record = lora_record or {}
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"{path} is not a readable LoRA file: {e}") from None
     if weights is None:
@@ -333,13 +338,20 @@ def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge
             print(f"warning: {path} was trained on other weights ({base['weights']} step {base['step']}) than "
                   f"{record['manifest']} (step {record['step']})", file=sys.stderr)
         try:
-            load_lora(model, path)
+            attach_lora(model, lora_state, lora_config)
         except ValueError as e:
             raise UserError(f"{path} does not fit {record['manifest']}: {e}") from None
         set_lora_scale(model, lora_scale)
         if merge:
             merge_lora(model)
     return model, components, record, lora_record
+
+
+def sampling_name(record, lora_record=None):
+    """What eval output is called: the weights' run name, or the LoRA's when one is applied."""
+    if lora_record and "args" in lora_record:
+        return lora_run_name(lora_record["args"]["lora_name"], record["preset"])
+    return run_name(record["stage"], record["preset"])
 
 
 def read_prompt_file(path):
