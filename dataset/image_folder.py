@@ -1,8 +1,10 @@
 """User data: a folder of images with same-name .txt captions, or a .jsonl manifest. Plus build_dataset().
 
 Every file is decoded once when the dataset is built, so a broken file is reported up front (one summary line)
-instead of crashing a training run hours in. Images come out as RGB squares: EXIF orientation applied,
-transparency composited on white, 16-bit scaled to 8-bit, shorter side resized to the resolution, centre-cropped.
+instead of crashing a training run hours in. Images come out as RGB: EXIF orientation applied, transparency
+composited on white, 16-bit scaled to 8-bit, resized to cover the output size and centre-cropped to it. The output is
+a resolution x resolution square, or with aspect-ratio buckets (dataset/buckets.py) the bucket size nearest the
+image's shape.
 """
 import json
 import os
@@ -10,9 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps, JpegImagePlugin
 from tqdm import tqdm
 
+from dataset.buckets import nearest_bucket
 from dataset.shapes import ShapesDataset, image_to_tensor
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")  # matched case-insensitively
@@ -20,6 +23,7 @@ SKIP_REASONS = ("missing", "zero-byte", "truncated", "unreadable")  # the order 
 PROGRESS_MIN_FILES = 200  # show a progress bar while checking more files than this
 MAX_NAMES_LISTED = 5  # per skip reason in the summary line
 CHECK_THREADS = 8  # Pillow releases the GIL while decoding, so threads overlap file reads and decodes
+TURNING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that turn the picture by 90 degrees for display
 
 LOOKED_FOR = f"looked recursively for {', '.join(IMAGE_EXTENSIONS)} files (any letter case)"
 HOW_TO = "pass a folder of images with same-name .txt captions, a .jsonl manifest, or 'builtin'"
@@ -46,31 +50,59 @@ def to_rgb(img):
     return img.convert("RGB")
 
 
-def load_image(path, resolution):
-    """Open an image file as a resolution x resolution PIL RGB image (shorter side resized, centre-cropped)."""
+def read_image(path, target):
+    """-> (the decoded RGB image as displayed, its full size (width, height) as displayed). A JPEG may be decoded
+    at a reduced scale that stays >= 2x the target size (width, height), so only the second is the true size."""
     with Image.open(path) as img:
+        full_size = img.size  # from the header: the draft below can make the decoded JPEG smaller
+        draft_w, draft_h = target
+        # The draft sizes the stored pixels, which may display turned. Asked of JPEGs only: draft() affects no
+        # other format, and a JPEG has its EXIF before the pixels (read early elsewhere, a late tag could be missed).
+        if draft_w != draft_h and isinstance(img, JpegImagePlugin.JpegImageFile):
+            if img.getexif().get(ExifTags.Base.Orientation, 1) in TURNING_ORIENTATIONS:
+                draft_w, draft_h = draft_h, draft_w
         # JPEG only (a no-op elsewhere): decode at a 1/2, 1/4 or 1/8 scale that stays >= 2x the target, which
-        # makes big photos several times faster to read and loses nothing after the LANCZOS resize below.
-        img.draft(None, (2 * resolution, 2 * resolution))
-        img = ImageOps.exif_transpose(img)  # phone photos store rotation as a tag, not in the pixels
-        img = to_rgb(img)
+        # makes big photos several times faster to read and loses nothing after the LANCZOS resize.
+        img.draft(None, (2 * draft_w, 2 * draft_h))
+        displayed = ImageOps.exif_transpose(img)  # phone photos store rotation as a tag, not in the pixels
+        if img.getexif().get(ExifTags.Base.Orientation, 1) in TURNING_ORIENTATIONS:
+            full_size = full_size[::-1]
+        return to_rgb(displayed), full_size
+
+
+def cover_and_crop(img, size):
+    """Resize to cover size (width, height) and centre-crop to exactly it, in one LANCZOS pass: the resize reads
+    only the largest centred box of the target's aspect ratio."""
     w, h = img.size
-    side = min(w, h)
-    box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)  # the centred square, in source pixels
-    return img.resize((resolution, resolution), Image.Resampling.LANCZOS, box=box)
+    target_w, target_h = size
+    if w * target_h > h * target_w:  # wider than the target: the box spans the full height
+        box_w, box_h = h * target_w / target_h, h
+    else:
+        box_w, box_h = w, w * target_h / target_w
+    box = ((w - box_w) / 2, (h - box_h) / 2, (w + box_w) / 2, (h + box_h) / 2)
+    return img.resize(size, Image.Resampling.LANCZOS, box=box)
+
+
+def load_image(path, resolution, size=None):
+    """Open an image file as a PIL RGB image of size (width, height), by default resolution x resolution, resized
+    to cover it and centre-cropped."""
+    size = tuple(size) if size is not None else (resolution, resolution)
+    return cover_and_crop(read_image(path, size)[0], size)
 
 
 def check_image(path, resolution):
-    """The reason this file cannot be used (one of SKIP_REASONS), or None when it decodes completely."""
+    """(reason, None) when this file cannot be used (reason is one of SKIP_REASONS), else (None, its size as
+    displayed: (width, height) after the EXIF orientation)."""
     if not os.path.isfile(path):
-        return "missing"
+        return "missing", None
     if os.path.getsize(path) == 0:
-        return "zero-byte"
+        return "zero-byte", None
     try:
-        load_image(path, resolution)  # a full decode: truncation only shows when the pixel data is read
+        # A full decode: truncation only shows when the pixel data is read.
+        _, size = read_image(path, (resolution, resolution))
     except Exception as e:  # any decoder failure makes the file unusable; which one only matters for the report
-        return "truncated" if "truncated" in str(e) else "unreadable"
-    return None
+        return ("truncated" if "truncated" in str(e) else "unreadable"), None
+    return None, size
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -130,13 +162,21 @@ def read_manifest(path):
 class ImageCaptionDataset(torch.utils.data.Dataset):
     """User images with captions. Items are {"image": [3, H, W] in [-1, 1], "caption": str ("" = unconditional)}.
 
+    buckets: None for resolution x resolution squares, or a list of (width, height) sizes (dataset/buckets.py):
+    each image then comes out at the size whose aspect ratio is nearest its own.
+
     After construction: items (kept (path, caption) pairs), skipped (reason -> paths), uncaptioned (count of kept
-    images with an empty caption) and summary (the line that was logged).
+    images with an empty caption), summary (the line that was logged), bucket_sizes (the sizes; without buckets
+    the one square) and bucket_of (per item, the index of its size; without buckets all 0).
     """
 
-    def __init__(self, path, resolution, log=print):
+    def __init__(self, path, resolution, log=print, buckets=None):
         path = os.fspath(path)
         self.path, self.resolution = path, int(resolution)
+        self.bucketed = buckets is not None
+        self.bucket_sizes = [(int(w), int(h)) for w, h in buckets] if self.bucketed else [(self.resolution,) * 2]
+        if not self.bucket_sizes or min(min(size) for size in self.bucket_sizes) < 1:
+            raise ValueError(f"buckets must be a non-empty list of positive (width, height) sizes, got {buckets!r}")
         if not os.path.exists(path):
             raise DatasetError(f"dataset path {path} does not exist: {HOW_TO}")
         if os.path.isdir(path):
@@ -155,13 +195,14 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
 
         paths = [p for p, _ in candidates]
         with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(paths))) as pool:
-            reasons = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
-            reasons = list(tqdm(reasons, total=len(paths), desc=f"checking {path}", unit="img",
-                                disable=len(paths) <= PROGRESS_MIN_FILES))
-        self.items, self.skipped = [], {}
-        for item, reason in zip(candidates, reasons):
+            checks = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
+            checks = list(tqdm(checks, total=len(paths), desc=f"checking {path}", unit="img",
+                               disable=len(paths) <= PROGRESS_MIN_FILES))
+        self.items, self.skipped, self.bucket_of = [], {}, []
+        for item, (reason, size) in zip(candidates, checks):
             if reason is None:
                 self.items.append(item)
+                self.bucket_of.append(nearest_bucket(*size, self.bucket_sizes) if self.bucketed else 0)
             else:
                 self.skipped.setdefault(reason, []).append(item[0])
         self.uncaptioned = sum(1 for _, caption in self.items if not caption)
@@ -180,7 +221,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 parts.append(f"{len(paths)} {reason}: {', '.join(names)}{more}")
         n_skipped = sum(len(p) for p in self.skipped.values())
         skipped = f"{n_skipped} skipped" + (f" ({'; '.join(parts)})" if parts else "")
-        return f"dataset {self.path}: {len(self.items)} images, {skipped}, {self.uncaptioned} without caption"
+        summary = f"dataset {self.path}: {len(self.items)} images, {skipped}, {self.uncaptioned} without caption"
+        if self.bucketed and self.items:
+            counts = [(size, self.bucket_of.count(i)) for i, size in enumerate(self.bucket_sizes)]
+            summary += ", buckets " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in counts if n)
+        return summary
 
     def __len__(self):
         return len(self.items)
@@ -188,17 +233,20 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         path, caption = self.items[i]
         try:
-            image = load_image(path, self.resolution)
+            image = load_image(path, self.resolution, size=self.bucket_sizes[self.bucket_of[i]])
         except Exception as e:  # it decoded at start-up, so the file changed underneath us
             raise DatasetError(f"could not load {path} (it loaded when the dataset was built): {e}") from e
         return {"image": image_to_tensor(image), "caption": caption}
 
 
-def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0):
+def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0, buckets=None):
     """'builtin' -> ShapesDataset(split, ...), 'builtin:white' the same in white only (or other colours, comma
     separated); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and seed only apply to the built-in
-    data). Anything else raises DatasetError."""
+    data; buckets, a list of (width, height) sizes, only to user data). Anything else raises DatasetError."""
     if data == "builtin" or data.startswith("builtin:"):
+        if buckets is not None:
+            raise DatasetError(f"--data {data}: aspect-ratio buckets are for user images; the built-in shapes are "
+                               "all square, so leave buckets off")
         colors = [c for c in data.partition(":")[2].split(",") if c] or None
         try:
             dataset = ShapesDataset(split, num_samples or 20000, resolution, seed, colors=colors)
@@ -206,4 +254,4 @@ def build_dataset(data, resolution, split="train", log=print, num_samples=None, 
             raise DatasetError(f"--data {data}: {e}") from None
         log(f"dataset {data}: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
         return dataset
-    return ImageCaptionDataset(data, resolution, log=log)
+    return ImageCaptionDataset(data, resolution, log=log, buckets=buckets)
