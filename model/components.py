@@ -1,14 +1,21 @@
-"""The frozen parts around the transformer, behind one small interface:
+"""The frozen parts around the transformer, behind one small interface (the stage scripts use nothing else):
 
-    encode_images(x in [-1, 1], [B, 3, H, W]) -> latents [B, C, h, w]
+    encode(images in [-1, 1] [B, 3, H, W], captions) -> features: what the cache stores, per sample
+        "latents" (the latent distribution's mean, scaled), "latents_std" (its spread, if the autoencoder is
+        stochastic), and per text encoder "<name>_tokens" [B, L, width] and "<name>_pooled" [B, width]
+    latents(features, generator) -> latents [B, C, h, w] (a sample of the latent distribution)
+    condition(features, drop=None) -> (token sequence [B, L, joint_attention_dim], pooled [B, pooled_dim]);
+        drop [B, len(text_encoders)] zeroes the text of the dropped encoders (caption dropout)
+    encode_prompts(captions) -> condition(encode_text(captions))
     decode_latents(latents) -> images in [-1, 1]
-    encode_prompts(list of captions) -> (token sequence [B, L, joint_attention_dim], pooled [B, pooled_projection_dim])
 
-The stage scripts only use this interface, so the built-in components (no download: a lossless pixel-space
-autoencoder and a tiny frozen CLIP text encoder) and real SD3 components (a later issue) are interchangeable.
-An empty caption, and a caption dropped for classifier-free guidance, both encode to zeros: that is the
-unconditional input, at training and at sampling alike.
+Two kinds: the built-in components (no download: a lossless pixel-space autoencoder and a tiny frozen CLIP text
+encoder; an empty caption encodes to zeros, the unconditional input) and SD3Components, the real SD3 / SD3.5 VAE
+and text encoders read from a local diffusers folder (`--base`), whose text embeddings are formed exactly as
+diffusers' StableDiffusion3Pipeline forms them.
 """
+import json
+import os
 import re
 import zlib
 
@@ -88,6 +95,8 @@ class BuiltinTextEncoder(nn.Module):
 class BuiltinComponents(nn.Module):
     """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128)."""
 
+    text_encoders = ("text",)  # one encoder: caption dropout drops the whole text
+
     def __init__(self, vocab, factor=2, text_width=128, text_layers=2, text_max_length=24, seed=0):
         super().__init__()
         self.spec = dict(kind="builtin", vocab=list(vocab), factor=factor, text_width=text_width,
@@ -95,8 +104,12 @@ class BuiltinComponents(nn.Module):
         self.autoencoder = PixelAutoencoder(factor)
         self.text_encoder = BuiltinTextEncoder(vocab, width=text_width, layers=text_layers,
                                                max_length=text_max_length, seed=seed)
-        self.latent_channels = self.autoencoder.latent_channels
+        self.latent_channels, self.downscale = self.autoencoder.latent_channels, factor
         self.joint_attention_dim = self.pooled_projection_dim = text_width
+
+    def identity(self):
+        """What the cached features depend on (the encoder is seeded random: its spec says it all)."""
+        return dict(self.spec)
 
     def encode_images(self, images):
         return self.autoencoder.encode_images(images)
@@ -105,10 +118,25 @@ class BuiltinComponents(nn.Module):
         return self.autoencoder.decode_latents(latents).clamp(-1, 1)
 
     @torch.no_grad()
-    def encode_prompts(self, captions):
+    def encode_text(self, captions):
         tokens, pooled = self.text_encoder(captions)
         empty = torch.tensor([not c.strip() for c in captions], device=tokens.device)
-        return drop_captions(tokens, pooled, empty)
+        tokens, pooled = drop_captions(tokens, pooled, empty)
+        return {"text_tokens": tokens, "text_pooled": pooled}
+
+    @torch.no_grad()
+    def encode(self, images, captions):
+        return {"latents": self.encode_images(images), **self.encode_text(captions)}
+
+    def latents(self, features, generator=None):
+        return features["latents"].float()  # lossless: nothing to sample
+
+    def condition(self, features, drop=None):
+        tokens, pooled = features["text_tokens"].float(), features["text_pooled"].float()
+        return (tokens, pooled) if drop is None else drop_captions(tokens, pooled, drop[:, 0])
+
+    def encode_prompts(self, captions):
+        return self.condition(self.encode_text(captions))
 
     def trained_state_dict(self):
         """What must be saved with the transformer for sampling to be identical later."""
@@ -117,6 +145,173 @@ class BuiltinComponents(nn.Module):
     def load_trained_state_dict(self, state_dict):
         prefix = "text_encoder."
         self.text_encoder.model.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items()}, strict=True)
+
+
+# The parts of a diffusers SD3 folder (StableDiffusion3Pipeline.save_pretrained): T5 may be left out, as
+# diffusers allows (its tokens are then zeros).
+SD3_REQUIRED = ("vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+SD3_OPTIONAL = ("text_encoder_3", "tokenizer_3")
+SD3_HOW_TO = ("a diffusers SD3 folder as StableDiffusion3Pipeline.save_pretrained writes it (vae, text_encoder, "
+              "tokenizer, text_encoder_2, tokenizer_2, optionally text_encoder_3 + tokenizer_3, transformer)")
+
+
+class ComponentsError(ValueError):
+    """A --base folder that cannot be used: the message is one line naming what is wrong."""
+
+
+def check_sd3_folder(path):
+    """-> whether the folder has T5; a one-line ComponentsError if it is not a usable SD3 folder."""
+    if not os.path.isdir(path):
+        raise ComponentsError(f"--base {path} is not a folder: pass {SD3_HOW_TO}")
+    missing = [part for part in SD3_REQUIRED if not os.path.isdir(os.path.join(path, part))]
+    if missing:
+        raise ComponentsError(f"--base {path} lacks {', '.join(p + '/' for p in missing)}: pass {SD3_HOW_TO}")
+    has_t5 = [os.path.isdir(os.path.join(path, part)) for part in SD3_OPTIONAL]
+    if any(has_t5) and not all(has_t5):
+        raise ComponentsError(f"--base {path} has only one of text_encoder_3/ and tokenizer_3/: T5 needs both")
+    return all(has_t5)
+
+
+class SD3Components(nn.Module):
+    """The SD3 / SD3.5 VAE and text encoders from a local diffusers folder, frozen. They run without gradients,
+    in bf16 on a GPU (fp32 on a CPU).
+
+    Text, as StableDiffusion3Pipeline.encode_prompt forms it: CLIP-L and CLIP-G each take 77 tokens; their
+    penultimate hidden states are joined on the feature axis and zero-padded to T5's width, and T5's sequence
+    (t5_max_length tokens; zeros without T5) follows on the token axis. Pooled = the two CLIP projections joined.
+    Caption dropout zeroes each encoder's part independently, as SD3 was trained."""
+
+    def __init__(self, path, t5_max_length=77, device="cpu"):
+        super().__init__()
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
+
+        path = os.path.abspath(path)
+        has_t5 = check_sd3_folder(path)
+        device = torch.device(device)
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
+        self.path, self.t5_max_length = path, int(t5_max_length)
+
+        def load(cls, part):
+            try:
+                return cls.from_pretrained(path, subfolder=part)
+            except Exception as e:  # a broken or foreign folder: say which part, in one line
+                raise ComponentsError(f"--base {path}: cannot load {part}/ ({' '.join(str(e).split())[:300]})") \
+                    from None
+
+        def frozen(module):
+            return module.to(device, self.dtype).eval().requires_grad_(False)
+
+        self.vae = frozen(load(AutoencoderKL, "vae"))
+        self.clip_l, self.clip_g = frozen(load(CLIPTextModelWithProjection, "text_encoder")), \
+            frozen(load(CLIPTextModelWithProjection, "text_encoder_2"))
+        self.tokenizers = {"clip_l": load(CLIPTokenizer, "tokenizer"), "clip_g": load(CLIPTokenizer, "tokenizer_2")}
+        self.t5 = frozen(load(T5EncoderModel, "text_encoder_3")) if has_t5 else None
+        if has_t5:
+            self.tokenizers["t5"] = load(AutoTokenizer, "tokenizer_3")
+        self.text_encoders = ("clip_l", "clip_g", "t5") if has_t5 else ("clip_l", "clip_g")
+        vae = self.vae.config
+        self.latent_channels = vae.latent_channels
+        self.downscale = 2 ** (len(vae.block_out_channels) - 1)
+        self.scaling_factor, self.shift_factor = vae.scaling_factor, vae.shift_factor or 0.0
+        self.clip_widths = (self.clip_l.config.hidden_size, self.clip_g.config.hidden_size)
+        self.pooled_projection_dim = self.clip_l.config.projection_dim + self.clip_g.config.projection_dim
+        # joint width: T5's; without T5 the transformer's (diffusers pads to it), else SD3's 4096
+        self.joint_attention_dim = self.t5.config.d_model if has_t5 else self._transformer_joint_dim()
+        if sum(self.clip_widths) > self.joint_attention_dim:
+            raise ComponentsError(f"--base {path}: the CLIP widths {self.clip_widths} do not fit in the joint "
+                                  f"width {self.joint_attention_dim}")
+
+    def _transformer_joint_dim(self):
+        config = os.path.join(self.path, "transformer", "config.json")
+        if os.path.isfile(config):
+            with open(config, encoding="utf-8") as f:
+                return json.load(f).get("joint_attention_dim", 4096)
+        return 4096
+
+    def identity(self):
+        """What the cached features depend on: every file of the parts used (name, size, mtime), the T5 length and
+        the dtype. A changed or replaced VAE or text encoder gives another identity, and the cache is rebuilt."""
+        files = []
+        for part in SD3_REQUIRED + (SD3_OPTIONAL if self.t5 is not None else ()):
+            for root, _, names in sorted(os.walk(os.path.join(self.path, part))):
+                for name in sorted(names):
+                    stat = os.stat(os.path.join(root, name))
+                    files.append([os.path.relpath(os.path.join(root, name), self.path), stat.st_size,
+                                  stat.st_mtime_ns])
+        return {**self.spec, "dtype": str(self.dtype).replace("torch.", ""), "files": files}
+
+    @property
+    def device(self):
+        return self.vae.device
+
+    @torch.no_grad()
+    def encode_latent_distribution(self, images):
+        """-> (mean, std) of the latent distribution, scaled and shifted as SD3's transformer sees latents."""
+        dist = self.vae.encode(images.to(self.device, self.dtype)).latent_dist
+        return (dist.mean - self.shift_factor) * self.scaling_factor, dist.std * self.scaling_factor
+
+    def encode_images(self, images):
+        """Deterministic latents (the distribution's mean), e.g. for held-out loss."""
+        return self.encode_latent_distribution(images)[0].float()
+
+    @torch.no_grad()
+    def decode_latents(self, latents):
+        images = self.vae.decode((latents.to(self.device, self.dtype) / self.scaling_factor) + self.shift_factor)
+        return images.sample.float().clamp(-1, 1)
+
+    @torch.no_grad()
+    def encode_text(self, captions):
+        captions = list(captions)
+        features = {}
+        for name, encoder in (("clip_l", self.clip_l), ("clip_g", self.clip_g)):
+            tokenizer = self.tokenizers[name]
+            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                            return_tensors="pt").input_ids.to(self.device)
+            out = encoder(ids, output_hidden_states=True)
+            features[f"{name}_tokens"], features[f"{name}_pooled"] = out.hidden_states[-2], out.text_embeds
+        if self.t5 is not None:
+            ids = self.tokenizers["t5"](captions, padding="max_length", max_length=self.t5_max_length, truncation=True,
+                                        add_special_tokens=True, return_tensors="pt").input_ids.to(self.device)
+            features["t5_tokens"] = self.t5(ids)[0]
+        return features
+
+    @torch.no_grad()
+    def encode(self, images, captions):
+        mean, std = self.encode_latent_distribution(images)
+        return {"latents": mean, "latents_std": std, **self.encode_text(captions)}
+
+    def latents(self, features, generator=None):
+        """A sample of the latent distribution (the noise from `generator`, so a resumed run draws the same)."""
+        mean, std = features["latents"].float(), features["latents_std"].float()
+        return mean + std * torch.randn(mean.shape, generator=generator).to(mean.device)
+
+    def condition(self, features, drop=None):
+        keep = None if drop is None else (~drop).float()
+
+        def part(name, key, index):
+            x = features[f"{name}_{key}"].float()
+            return x if keep is None else x * keep[:, index].to(x.device).view(-1, *[1] * (x.dim() - 1))
+
+        clip = torch.cat([part("clip_l", "tokens", 0), part("clip_g", "tokens", 1)], dim=-1)
+        clip = F.pad(clip, (0, self.joint_attention_dim - clip.shape[-1]))
+        if self.t5 is not None:
+            t5 = part("t5", "tokens", 2)
+        else:
+            t5 = clip.new_zeros(clip.shape[0], self.t5_max_length, self.joint_attention_dim)
+        pooled = torch.cat([part("clip_l", "pooled", 0), part("clip_g", "pooled", 1)], dim=-1)
+        return torch.cat([clip, t5], dim=1), pooled
+
+    def encode_prompts(self, captions):
+        return self.condition(self.encode_text(captions))
+
+    def trained_state_dict(self):
+        return {}  # nothing trained: the weights record names the folder
+
+    def load_trained_state_dict(self, state_dict):
+        if state_dict:
+            raise ValueError(f"SD3 components hold no trained tensors, got {len(state_dict)}")
 
 
 def drop_captions(tokens, pooled, drop):
@@ -135,8 +330,10 @@ def check_fits(components, config):
         raise ValueError("the model preset does not fit the components: they need " + ", ".join(bad))
 
 
-def build_components(spec):
-    """Rebuild components from the spec saved in a weights config (kind 'builtin' for now)."""
+def build_components(spec, device="cpu"):
+    """Rebuild components from the spec saved in a weights config."""
+    if spec["kind"] == "sd3":
+        return SD3Components(spec["path"], t5_max_length=spec["t5_max_length"], device=device)
     if spec["kind"] != "builtin":
         raise ValueError(f"unknown components kind {spec['kind']!r}")
-    return BuiltinComponents(**{k: v for k, v in spec.items() if k != "kind"})  # spec keys = constructor args
+    return BuiltinComponents(**{k: v for k, v in spec.items() if k != "kind"}).to(device)  # spec = constructor args

@@ -111,6 +111,10 @@ PRESETS = {
                  attention_head_dim=32, caption_projection_dim=192),
     "small": dict(_BUILTIN, sample_size=64, pos_embed_max_size=32, num_layers=12, num_attention_heads=6,
                   attention_head_dim=64, caption_projection_dim=384),
+    # The tiny transformer on real SD3 components (16-channel VAE, CLIP-L/G + T5 text): smoke runs on a laptop, and
+    # the tests' tiny SD3 folder. Its table holds 64x64 latents (512px with SD3's VAE).
+    "sd3-tiny": dict(_SD3, sample_size=32, pos_embed_max_size=32, num_layers=2, num_attention_heads=2,
+                     attention_head_dim=32, caption_projection_dim=64),
     "base": dict(_SD3, sample_size=64, pos_embed_max_size=96, num_layers=12, num_attention_heads=12,
                  attention_head_dim=64, caption_projection_dim=768),
     "sd3-medium": dict(_SD3, sample_size=128, pos_embed_max_size=192, num_layers=24, num_attention_heads=24,
