@@ -69,6 +69,8 @@ RELATIONS = {
 }
 NUMBER_WORDS = {2: "two", 3: "three", 4: "four"}
 SPLITS = ("train", "heldout")
+# Bump when what a sample looks like or says changes: caches of the built-in data are keyed by it.
+SHAPES_VERSION = 1
 SUPERSAMPLE = 4  # draw at 4x and box-filter down: exact area-coverage anti-aliasing, no ringing
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
 from trainer.trainer_utils import (
-    EMA, EpochSampler, add_training_args, flow_matching_loss, lr_at,
+    EMA, BucketSampler, EpochSampler, add_training_args, flow_matching_loss, lr_at,
 )
 
 from tests.scripts import run
@@ -131,18 +131,35 @@ def test_loss_falls_when_overfitting_a_fixed_batch():
     assert sum(losses[-8:]) / 8 < 0.5 * sum(losses[:8]) / 8
 
 
+def flat(batches):
+    return [i for batch in batches for i in batch]
+
+
 def test_epoch_sampler_deals_one_permutation_and_resumes_mid_epoch():
-    whole = [list(EpochSampler(20, r, 2, seed=3)) for r in range(2)]
+    whole = [flat(EpochSampler(20, r, 2, seed=3).rank_batches(0, 0, 2, 4)) for r in range(2)]
     assert sorted(whole[0] + whole[1]) == list(range(20))
-    resumed = []
-    for r in range(2):
-        s = EpochSampler(20, r, 2, seed=3)
-        s.set_position(0, 8)  # 8 samples of the epoch already consumed (by any world size)
-        resumed.append(list(s))
+    # 8 samples of the epoch already consumed (by any world size)
+    resumed = [flat(EpochSampler(20, r, 2, seed=3).rank_batches(0, 8, 2, 4)) for r in range(2)]
     assert resumed[0] == whole[0][4:] and resumed[1] == whole[1][4:]
-    one = EpochSampler(20, 0, 1, seed=3)
-    one.set_position(0, 8)
-    assert sorted(list(one)) == sorted(whole[0][4:] + whole[1][4:])  # 2 -> 1 process: the same rest of the epoch
+    one = flat(EpochSampler(20, 0, 1, seed=3).rank_batches(0, 8, 2, 2))
+    assert sorted(one) == sorted(whole[0][4:] + whole[1][4:])  # 2 -> 1 process: the same rest of the epoch
+    assert EpochSampler(20, 0, 2).steps_left(8, 4) == 3 and EpochSampler(20, 0, 2).steps_left(20, 4) == 0
+
+
+def test_bucket_sampler_uses_every_image_and_resumes_with_another_world_size():
+    bucket_of = [0] * 7 + [1] * 3 + [2] * 1  # 11 images in 3 buckets; batch 2 -> 4 + 2 + 1 = 7 micro-batches
+    two = [BucketSampler(bucket_of, r, 2, batch_size=2, seed=1) for r in range(2)]
+    assert two[0].steps_left(0, 4) == 4  # 7 micro-batches in steps of 2 x 2: the last step is filled from the start
+    epoch = [two[r].rank_batches(0, 0, 2, 4) for r in range(2)]
+    seen = flat(epoch[0]) + flat(epoch[1])
+    assert set(seen) == set(range(11))
+    for batch in epoch[0] + epoch[1]:
+        assert len({bucket_of[i] for i in batch}) == 1  # one bucket (one image size) per micro-batch
+    plan = two[0].plan.micro_batches(0)
+    # after one step (4 samples) of 2 processes, 1 process continues with exactly the rest of the list
+    assert epoch[0] == plan[0::2] and epoch[1] == plan[1::2] + plan[:1]  # dealt round-robin, last step filled
+    one = BucketSampler(bucket_of, 0, 1, batch_size=2, seed=1)
+    assert one.rank_batches(0, 4, 2, 2) == plan[2:] and one.steps_left(4, 2) == 5
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

@@ -3,6 +3,7 @@
     python trainer/train_full_sft.py                                   # from out/pretrain_tiny, built-in data
     torchrun --nproc_per_node 2 trainer/train_full_sft.py --data my_images/ --resolution 64
     python trainer/train_full_sft.py --from_weight path/to/weights.json --preset small
+    python trainer/train_full_sft.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
 
 Starts from `--from_weight` (a stage name in --out_dir, or a weights path; its preset must be --preset, and
 its prediction and components are kept). Writes out/sft_<preset>.json and the files it names, sample grids in
@@ -16,9 +17,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
+from dataset.image_folder import DatasetError  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, add_training_args, init_distributed, load_start_weights, run_main, sample_prompts_for, train,
+    training_dataset,
 )
 
 
@@ -28,8 +30,8 @@ def main():
     # (500 steps, about two CPU minutes for the tiny model). The prediction comes from the weights.
     add_training_args(parser, learning_rate=1e-4, warmup_steps=20, epochs=1, num_samples=8000, prediction=None)
     parser.add_argument("--from_weight", default="pretrain",
-                        help="weights to start from: a stage name in --out_dir ('pretrain' = pretrain_<preset>) "
-                        "or the path of a weights manifest")
+                        help="weights to start from: a stage name in --out_dir ('pretrain' = pretrain_<preset>), "
+                        "the path of a weights manifest or of a diffusers folder, or 'base' = --base's transformer")
     args = parser.parse_args()
     info = init_distributed()
     log = Logger(info)
@@ -38,7 +40,7 @@ def main():
     model, components, record = load_start_weights(args)
     log(f"starting from {record['manifest']} (step {record['step']}, predicts {record['prediction']})")
     try:
-        dataset = build_dataset(args.data, args.resolution, num_samples=args.num_samples, seed=args.seed, log=log)
+        dataset = training_dataset(args, components, model.config.patch_size, log)
         prompts = sample_prompts_for(dataset, args.sample_prompts)
     except (ValueError, DatasetError) as e:
         raise UserError(str(e)) from None

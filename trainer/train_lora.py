@@ -2,6 +2,7 @@
 
     python trainer/train_lora.py                      # the demo: teach out/pretrain_tiny the word "white"
     python trainer/train_lora.py --data my_images/ --lora_name mystyle --lora_rank 16
+    python trainer/train_lora.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
     torchrun --nproc_per_node 2 trainer/train_lora.py --data my_images/ --lora_targets attention,ff
 
 The demo's data (`--data builtin:white`) is 40 built-in images whose objects are all white, a colour (and a
@@ -22,13 +23,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
+from dataset.image_folder import DatasetError  # noqa: E402
 from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, apply_lora, load_lora_state_dict, lora_state_dict, save_lora,
 )
 from trainer.trainer_utils import (  # noqa: E402
     Logger, UserError, add_training_args, init_distributed, load_start_weights, lora_file, lora_run_name, run_main,
-    sample_prompts_for, train, weights_identity,
+    sample_prompts_for, train, training_dataset, weights_identity,
 )
 
 
@@ -72,7 +73,8 @@ def main():
                       caption_dropout=0.0, prediction=None)
     a = parser.add_argument
     a("--from_weight", default="pretrain", help="base weights: a stage name in --out_dir ('pretrain' = "
-      "pretrain_<preset>, 'sft' = sft_<preset>) or the path of a weights manifest")
+      "pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or of a diffusers folder, or "
+      "'base' = --base's transformer")
     a("--lora_name", default="demo", help="names the file: out/lora/lora_<name>_<preset>.safetensors")
     a("--lora_rank", type=int, default=8)
     a("--lora_alpha", type=float, default=None, help="the update is scaled by alpha/rank; default: rank (scale 1)")
@@ -93,14 +95,14 @@ def main():
     model, components, record = load_start_weights(args)
     try:
         adapted = apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-        dataset = build_dataset(args.data, args.resolution, num_samples=args.num_samples, seed=args.seed, log=log)
+        dataset = training_dataset(args, components, model.config.patch_size, log)
         prompts = sample_prompts_for(dataset, args.sample_prompts)
         prior = args.prior_data
         if prior == "auto":
             prior = "builtin" if args.data.startswith("builtin") else "none"
         if prior != "none":
-            prior_dataset = build_dataset(prior, args.resolution, num_samples=args.prior_samples, seed=args.seed,
-                                          log=log)
+            prior_dataset = training_dataset(args, components, model.config.patch_size, log, data=prior,
+                                             num_samples=args.prior_samples)
             log(f"prior preservation: the {len(prior_dataset)} samples of {prior} train alongside {args.data}")
             dataset = torch.utils.data.ConcatDataset([dataset, prior_dataset])
     except (ValueError, DatasetError) as e:

@@ -1,9 +1,12 @@
 """What every training stage shares: distributed set-up, logging, LR schedule, data order, saving and resuming,
 EMA, sample grids and the training loop itself. A stage script builds its model and calls `train`."""
 import contextlib
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import sys
 import textwrap
@@ -18,7 +21,13 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from model.components import build_components, drop_captions  # noqa: E402
+from dataset.buckets import BucketBatches, bucket_sizes  # noqa: E402
+from dataset.cache import CacheError, build_cache  # noqa: E402
+from dataset.image_folder import build_dataset  # noqa: E402
+from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION  # noqa: E402
+from model.components import (  # noqa: E402
+    BuiltinComponents, ComponentsError, SD3Components, build_components, check_sd3_folder,
+)
 from model.file_io import atomic_path, atomic_write_text  # noqa: E402
 from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale  # noqa: E402
 from model.model_sd3light import (  # noqa: E402
@@ -29,11 +38,12 @@ from model.rectified_flow import (  # noqa: E402
 )
 from trainer.checkpoint import (  # noqa: E402
     CheckpointError, checkpoint_file, load_safetensors, load_torch, manifest_path, read_manifest, remove_leftovers,
-    save_checkpoint, stem_of,
+    save_checkpoint, sha256_of, stem_of, write_safetensors,
 )
 
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
+DEFAULT_CACHE_DIR = os.path.join(REPO_ROOT, "cache")
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -148,30 +158,62 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio=0.1):
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-class EpochSampler(torch.utils.data.Sampler):
+class EpochSampler:
     """Each epoch is one global permutation (seed + epoch). The position in it is counted in global samples,
     and the rest of the epoch is dealt round-robin to the ranks, so a resume (also with another world size)
-    continues the same permutation: nothing of the epoch is seen twice or skipped."""
+    continues the same permutation: nothing of the epoch is seen twice or skipped. An epoch's last samples that
+    do not fill a global batch are left for that epoch (the next permutation differs)."""
 
     def __init__(self, num_samples, rank, world_size, seed=0, shuffle=True):
         self.n, self.rank, self.world, self.seed, self.shuffle = num_samples, rank, world_size, seed, shuffle
-        self.epoch, self.consumed = 0, 0
-
-    def set_position(self, epoch, consumed):
-        self.epoch, self.consumed = epoch, consumed
 
     def permutation(self, epoch):
         if not self.shuffle:
             return torch.arange(self.n)
         return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
 
-    def __iter__(self):
-        rest = self.permutation(self.epoch)[self.consumed:]
-        usable = len(rest) // self.world * self.world
-        return iter(rest[self.rank:usable:self.world].tolist())
+    def steps_left(self, consumed, global_batch):
+        """Whole steps left in an epoch after `consumed` of its samples."""
+        return max(0, self.n - consumed) // global_batch
 
-    def __len__(self):
-        return (self.n - self.consumed) // self.world
+    def rank_batches(self, epoch, consumed, batch_size, global_batch):
+        """This rank's micro-batches for the rest of the epoch, in the order the steps take them."""
+        rest = self.permutation(epoch)[consumed:]
+        mine = rest[self.rank:len(rest) // self.world * self.world:self.world].tolist()
+        return [mine[i:i + batch_size] for i in range(0, len(mine) - batch_size + 1, batch_size)]
+
+
+class BucketSampler:
+    """Aspect-ratio buckets: the epoch is a shuffled list of micro-batches, each from one bucket
+    (dataset/buckets.py: every image at least once an epoch). A step deals its world x accumulation micro-batches
+    round-robin to the ranks; the position is counted in samples, so a resume with another world size continues
+    the same list. The epoch's last step is filled from the list's start: nothing is dropped however the
+    global batch grows."""
+
+    def __init__(self, bucket_of, rank, world_size, batch_size, seed=0):
+        self.rank, self.world, self.batch_size = rank, world_size, batch_size
+        self.plan = BucketBatches(bucket_of, batch_size, seed)
+        self.n = self.plan.len_micro_batches() * batch_size  # samples in an epoch's list
+
+    def steps_left(self, consumed, global_batch):
+        return math.ceil(max(0, self.n - consumed) / global_batch)
+
+    def rank_batches(self, epoch, consumed, batch_size, global_batch):
+        if batch_size != self.batch_size:
+            raise UserError(f"--batch_size {batch_size}: bucketed data is planned in micro-batches of "
+                            f"{self.batch_size} (the run's batch size)")
+        plan = self.plan.micro_batches(epoch)
+        rest = plan[consumed // batch_size:]
+        per_step = global_batch // batch_size  # micro-batches in a step, over all ranks
+        rest += plan[:(-len(rest)) % per_step]
+        return [rest[i] for i in range(self.rank, len(rest), self.world)]
+
+
+def make_sampler(dataset, batch_size, info, seed):
+    bucket_of = getattr(dataset, "bucket_of", None)
+    if bucket_of is not None and len(set(bucket_of)) > 1:
+        return BucketSampler(bucket_of, info.rank, info.world_size, batch_size, seed)
+    return EpochSampler(len(dataset), info.rank, info.world_size, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -214,13 +256,17 @@ def resolve_weights(name_or_path, out_dir):
     return stem
 
 
-def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
-    """-> (SD3Light in fp32, components, record). Files checked against their manifest; strict: every key fits."""
+def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu", base=None):
+    """-> (SD3Light in fp32, components, record). Our weights: files checked against their manifest; strict: every
+    key fits. Or a diffusers folder (a pipeline, or just its transformer/). `base`: the SD3 folder to take the
+    VAE and text encoders from, instead of the one the weights record names."""
+    if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
+        return load_diffusers_weights(name_or_path, device, base)
     stem = resolve_weights(name_or_path, out_dir)
     record = read_manifest(stem, "weights")
     record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
     model = SD3Light(SD3LightConfig.from_dict(record["transformer"]))
-    components = build_components(record["components"])
+    components = components_for(record["components"], base, device, manifest_path(stem))
     try:
         model.load_state_dict({k: v.float() for k, v in
                                load_safetensors(checkpoint_file(stem, record, ".safetensors")).items()})
@@ -233,13 +279,144 @@ def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu"):
     return model.to(device).eval(), components.to(device), record
 
 
+def components_for(spec, base, device, where):
+    """The components a weights record names; `base` replaces the SD3 folder it names (moved, or another copy)."""
+    if base:
+        if spec["kind"] != "sd3":
+            raise UserError(f"--base {base}: {where} was trained on the built-in components, not SD3 ones")
+        spec = {**spec, "path": os.path.abspath(base)}
+    try:
+        return build_components(spec, device)
+    except ComponentsError as e:
+        raise UserError(f"{e} (the components of {where})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# diffusers folders: reading a published SD3 transformer, writing ours
+
+
+DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def diffusers_transformer_dir(folder):
+    """The transformer folder of a diffusers pipeline folder (or the folder itself), or None."""
+    for candidate in (os.path.join(folder, "transformer"), folder):
+        if os.path.isfile(os.path.join(candidate, "config.json")) and (
+                os.path.isfile(os.path.join(candidate, DIFFUSERS_WEIGHTS)) or
+                os.path.isfile(os.path.join(candidate, DIFFUSERS_WEIGHTS + ".index.json"))):
+            return candidate
+    return None
+
+
+def diffusers_weight_files(transformer_dir):
+    """The safetensors files of a transformer folder: one file, or the shards its index names."""
+    index = os.path.join(transformer_dir, DIFFUSERS_WEIGHTS + ".index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(transformer_dir, name) for name in names]
+    return [os.path.join(transformer_dir, DIFFUSERS_WEIGHTS)]
+
+
+def preset_of(config):
+    """The name of the preset a config is, or None."""
+    return next((name for name, values in PRESETS.items()
+                 if SD3LightConfig(**values).to_dict() == config.to_dict()), None)
+
+
+def load_diffusers_weights(folder, device="cpu", base=None):
+    """A diffusers SD3 transformer (its folder, or a pipeline folder holding it) -> (SD3Light in fp32, components,
+    record). The components come from `base`, else from the pipeline folder itself. Published SD3 transformers
+    predict the velocity."""
+    transformer_dir = diffusers_transformer_dir(folder)
+    try:
+        config = SD3LightConfig.load_json(transformer_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{transformer_dir}/config.json: {e}") from None
+    preset = preset_of(config)
+    if preset is None:
+        raise UserError(f"the transformer in {transformer_dir} matches no preset (layers {config.num_layers}, width "
+                        f"{config.inner_dim}): add its config to PRESETS in model/model_sd3light.py")
+    model = SD3Light(config)
+    files = diffusers_weight_files(transformer_dir)
+    try:
+        state = {}
+        for path in files:
+            state.update(load_safetensors(path))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    except (OSError, StateDictMismatchError, RuntimeError) as e:
+        raise UserError(f"{transformer_dir}: {str(e).splitlines()[0][:400]}") from None
+    pipeline = os.path.dirname(transformer_dir) if transformer_dir != os.path.abspath(folder) else folder
+    components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
+    if components_path is None:
+        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text encoders")
+    components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
+                                None, device, folder)
+    shift = 3.0
+    scheduler = os.path.join(pipeline, "scheduler", "scheduler_config.json")
+    if os.path.isfile(scheduler):
+        with open(scheduler, encoding="utf-8") as f:
+            shift = json.load(f).get("shift", shift)
+    record = {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
+              "resolution": config.sample_size * components.downscale, "transformer": config.to_dict(),
+              "components": components.spec, "sampling": {"steps": 28, "cfg": 7.0, "shift": shift},
+              "manifest": os.path.abspath(transformer_dir),
+              "sha256": digest([sha256_of(path) for path in files])}
+    return model.to(device).eval(), components.to(device), record
+
+
+def export_diffusers(folder, model, state, dtype, pipeline_from=None, shift=3.0):
+    """Write `state` as a diffusers transformer, folder/transformer/ (config.json + safetensors, verified); with
+    `pipeline_from` (an SD3 folder) also the rest of a pipeline folder that StableDiffusion3Pipeline loads: its
+    frozen parts linked (copied where links are not possible) and its scheduler with our sampling shift.
+    -> bytes written."""
+    transformer = os.path.join(folder, "transformer")
+    tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
+               for k, v in state.items()}
+    written = write_safetensors(os.path.join(transformer, DIFFUSERS_WEIGHTS), tensors, metadata={"format": "pt"})
+    model.config.save_json(os.path.join(transformer, "config.json"))
+    if pipeline_from:
+        link_pipeline_parts(folder, pipeline_from, shift)
+    return written["bytes"]
+
+
+def link_pipeline_parts(folder, base, shift):
+    with open(os.path.join(base, "model_index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    index["transformer"] = ["diffusers", "SD3Transformer2DModel"]
+    for part, entry in index.items():
+        if part.startswith("_") or part in ("transformer", "scheduler") or not isinstance(entry, list) \
+                or entry[0] is None:
+            continue
+        link, target = os.path.join(folder, part), os.path.abspath(os.path.join(base, part))
+        if os.path.islink(link) and os.readlink(link) == target:
+            continue
+        tmp = os.path.join(folder, f".tmp-{part}")
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        try:
+            os.symlink(target, tmp, target_is_directory=True)
+        except OSError:  # no symlinks here (some filesystems): copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(target, tmp)
+        if os.path.isdir(link) and not os.path.islink(link):
+            shutil.rmtree(link)
+        os.replace(tmp, link)
+    with open(os.path.join(base, "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
+        scheduler = json.load(f)
+    atomic_write_text(os.path.join(folder, "scheduler", "scheduler_config.json"),
+                      json.dumps({**scheduler, "shift": shift}, indent=2) + "\n")
+    atomic_write_text(os.path.join(folder, "model_index.json"), json.dumps(index, indent=2) + "\n")
+
+
 class FullModel:
     """What pretraining and full SFT train: every weight of the transformer. The resume file and the EMA hold
     its whole state dict, and the export is a weights checkpoint at `stem` (save_weights). The LoRA stage has
     its own class with the same methods (trainer/train_lora.py)."""
 
-    def __init__(self, stem):
+    def __init__(self, stem, export_pipeline=False):
         self.stem = stem  # also where a killed save's leftovers are looked for
+        self.export_pipeline = export_pipeline
 
     def identity(self):
         """What a resume file must have been trained as, besides the run's arguments."""
@@ -258,8 +435,15 @@ class FullModel:
         return copy
 
     def export(self, step, model, state, components, record, dtype):
-        """-> bytes written."""
-        return save_weights(self.stem, step, model, state, components.trained_state_dict(), record, dtype)
+        """Our weights, then (v-prediction only: diffusers reads the output as a velocity) the same as a diffusers
+        transformer folder, out/<name>/transformer/, and with --export_pipeline a whole pipeline folder around it.
+        -> bytes written."""
+        written = save_weights(self.stem, step, model, state, components.trained_state_dict(), record, dtype)
+        if record["prediction"] == "v":
+            written += export_diffusers(self.stem, model, state, dtype,
+                                        components.spec["path"] if self.export_pipeline else None,
+                                        record["sampling"]["shift"])
+        return written
 
     def describe(self):
         return manifest_path(self.stem)
@@ -273,8 +457,14 @@ def load_start_weights(args):
     """The weights a fine-tune starts from: `--from_weight` is a stage name or a path. Their preset must be
     --preset, and the prediction (x or v) is theirs: args.prediction is set from them.
     -> (model in fp32, components, record with "manifest": the manifest's path)."""
-    source = run_name(args.from_weight, args.preset) if args.from_weight in WEIGHT_STAGES else args.from_weight
-    model, components, record = load_weights(source, args.out_dir)
+    if args.from_weight == "base":
+        if not args.base:
+            raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
+        check_sd3_base(args.base)
+        model, components, record = load_diffusers_weights(args.base, base=args.base)
+    else:
+        source = run_name(args.from_weight, args.preset) if args.from_weight in WEIGHT_STAGES else args.from_weight
+        model, components, record = load_weights(source, args.out_dir, base=args.base)
     where = record["manifest"]
     if record["preset"] != args.preset:
         raise UserError(f"--from_weight {where} holds '{record['preset']}' weights, not --preset {args.preset}: "
@@ -292,6 +482,8 @@ def weights_identity(record, out_dir):
     manifest = os.path.abspath(record["manifest"])
     if os.path.dirname(manifest) == os.path.abspath(out_dir):
         manifest = os.path.basename(manifest)
+    if "sha256" in record:  # a diffusers folder
+        return {"weights": manifest, "step": record["step"], "sha256": record["sha256"]}
     transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))
     return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
 
@@ -317,7 +509,7 @@ def resolve_lora(name_or_path, out_dir):
     return found[0]
 
 
-def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge=False):
+def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge=False, base=None):
     """Weights to sample from, with a LoRA applied if given: unmerged (an extra low-rank term in each adapted
     layer) or merged into the weights. `weights` defaults to the LoRA's base, else pretrain_tiny.
     -> (model, components, record of the weights, record of the LoRA or None)."""
@@ -331,7 +523,7 @@ def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge
             raise UserError(f"{path} is not a readable LoRA file: {e}") from None
     if weights is None:
         weights = lora_record["base"]["weights"] if lora_record and "base" in lora_record else "pretrain_tiny"
-    model, components, record = load_weights(weights, out_dir, device)
+    model, components, record = load_weights(weights, out_dir, device, base)
     if path:
         base = lora_record.get("base")
         if base and base["sha256"] != weights_identity(record, out_dir)["sha256"]:
@@ -453,8 +645,7 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
     was_training = model.training
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
-    with torch.no_grad():
-        shape = components.encode_images(torch.zeros(1, 3, resolution, resolution, device=device)).shape[1:]
+    shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)
     noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
                          for i in range(len(prompts))]).to(device)
     latents = euler_sample(model, noise, tokens.to(device), pooled.to(device), steps=steps, cfg=cfg, shift=shift,
@@ -508,8 +699,21 @@ def captioned_grid(images, captions, tile=128, columns=None):
 def add_training_args(parser, **defaults):
     a = parser.add_argument
     a("--preset", default="tiny", help="model size, see `python -m model.model_sd3light`")
+    a("--base", default=None, help="a local diffusers SD3 / SD3.5 folder: its VAE and text encoders (T5 optional) "
+      "replace the built-in components; `--from_weight base` starts from its transformer")
+    a("--t5_max_length", type=int, default=77, help="T5 tokens of the text (SD3 components); diffusers' pipeline "
+      "default is 256: pass max_sequence_length to match")
     a("--data", default="builtin", help="'builtin' shapes, a folder of images + .txt captions, or a .jsonl manifest")
-    a("--resolution", type=int, default=32, help="training image size (square, centre-cropped)")
+    a("--resolution", type=int, default=32, help="training image size: the side of the square, or the area of the "
+      "aspect-ratio buckets")
+    a("--buckets", default="auto", help="aspect-ratio buckets for your images: an odd count, 0 = centre-cropped "
+      "squares, auto = 5 on SD3 components (--base), else 0")
+    a("--cache", default="auto", choices=["auto", "0", "1"], help="encode latents and text once into --cache_dir "
+      "and train from that; auto = on with --base (the SD3 encoders are most of a step)")
+    a("--cache_dir", default=DEFAULT_CACHE_DIR)
+    a("--cache_only", action="store_true", help="build the cache, then stop")
+    a("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers pipeline folder "
+      "(needs --base and v-prediction); out/<run>/transformer/ is always written for v-prediction")
     a("--num_samples", type=int, default=20000, help="size of the built-in dataset")
     a("--batch_size", type=int, default=16, help="per process")
     a("--accumulation_steps", type=int, default=1)
@@ -562,7 +766,8 @@ RESUME_IDENTITY = ("preset", "resolution", "data", "prediction")
 # part of the recipe: a change is refused unless --force_resume 1, so a typo cannot silently alter a run.
 RESUME_FREE = {"out_dir", "save_dir", "from_resume", "force_resume", "save_interval", "save_dtype",
                "sample_interval", "sample_steps", "sample_cfg", "sample_shift", "sample_prompts", "num_workers",
-               "dtype", "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids"}
+               "dtype", "gradient_checkpointing", "use_wandb", "wandb_project", "log_sample_ids", "cache", "cache_dir",
+               "cache_only", "export_pipeline"}
 
 
 def check_resume(state, args, stage, dataset_size, identity=None):
@@ -596,18 +801,149 @@ def check_resume(state, args, stage, dataset_size, identity=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Data: image sizes, buckets, and the cache of latents and text embeddings
+
+
+def check_sd3_base(path):
+    try:
+        check_sd3_folder(path)
+    except ComponentsError as e:
+        raise UserError(str(e)) from None
+
+
+def make_components(args, info):
+    """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones."""
+    if not args.base:
+        return BuiltinComponents(GRAMMAR_WORDS)
+    try:
+        return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
+    except ComponentsError as e:
+        raise UserError(str(e)) from None
+
+
+def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
+    """--data (or `data`), in aspect-ratio buckets for user images when --buckets asks for them (auto: 5 buckets
+    on SD3 components, centre-cropped squares with the built-in ones)."""
+    data = data or args.data
+    builtin = data == "builtin" or data.startswith("builtin:")
+    count = int(args.buckets) if args.buckets != "auto" else (5 if components.spec["kind"] == "sd3" else 0)
+    sizes = None
+    if count and not builtin:
+        sizes = bucket_sizes(args.resolution, components.downscale * patch_size, count=count)
+    return build_dataset(data, args.resolution, num_samples=num_samples or args.num_samples, seed=args.seed, log=log,
+                         buckets=sizes)
+
+
+def bucket_sizes_of(dataset, resolution):
+    """The image sizes a dataset yields: its aspect-ratio buckets, else the square resolution."""
+    return getattr(dataset, "bucket_sizes", None) or [(resolution, resolution)]
+
+
+def check_image_sizes(args, model, components, sizes):
+    """Every image size must be a whole number of patches in latent space and fit the model's position table:
+    one line now, not a traceback at the first step."""
+    multiple = components.downscale * model.config.patch_size
+    for width, height in sizes:
+        if width % multiple or height % multiple:
+            raise UserError(f"image size {width}x{height} (--resolution {args.resolution}) is not a multiple of "
+                            f"{multiple} (autoencoder downscale {components.downscale} x patch size "
+                            f"{model.config.patch_size})")
+        try:
+            model.pos_embed.cropped_table(height // multiple, width // multiple)
+        except ValueError as e:
+            raise UserError(f"--resolution {args.resolution} (image size {width}x{height}): {e}") from None
+
+
+def digest(obj):
+    """A short stable hash of a JSON-able object."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()[:16]
+
+
+def data_fingerprint(dataset, resolution):
+    """Everything about the data that changes the cached features: the files (path, size, mtime), the captions,
+    the image sizes. Several datasets (LoRA's prior data) are listed part by part."""
+    if isinstance(dataset, torch.utils.data.ConcatDataset):
+        parts = [data_fingerprint(d, resolution) for d in dataset.datasets]
+        return {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
+    sizes = [list(size) for size in bucket_sizes_of(dataset, resolution)]
+    if hasattr(dataset, "items"):  # user images
+        files = []
+        for path, _ in dataset.items:
+            stat = os.stat(path)
+            files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
+        return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": digest(files),
+                "captions": digest([caption for _, caption in dataset.items]), "sizes": sizes,
+                "buckets": digest(list(getattr(dataset, "bucket_of", [])))}
+    return {"data": "builtin", "count": len(dataset), "generator": digest([dataset.split, dataset.seed,
+            list(dataset.colors), dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
+
+
+def cache_folder(args, dataset, components):
+    """One cache folder per dataset and component set; a resolution, caption or file change rebuilds it in place."""
+    source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else dataset
+    name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
+    key = digest([args.data, getattr(args, "prior_data", None), components.spec.get("kind"),
+                  components.spec.get("path")])
+    return os.path.join(args.cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
+
+
+def cached_dataset(args, dataset, components, info, log):
+    """Encode every sample once (split across ranks, resumable) and return the cache, read memory-mapped; its
+    items are feature dicts (components.encode). The buckets of `dataset` carry over."""
+    fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
+                   "components": digest(components.identity())}
+
+    def encode(indices):
+        items = [dataset[i] for i in indices]
+        features = [None] * len(items)
+        by_size = {}
+        for k, item in enumerate(items):  # one encoder batch per image size (bucket)
+            by_size.setdefault(tuple(item["image"].shape), []).append(k)
+        for group in by_size.values():
+            images = torch.stack([items[k]["image"] for k in group]).to(info.device)
+            batch = components.encode(images, [items[k]["caption"] for k in group])
+            for j, k in enumerate(group):
+                features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
+        return features
+
+    folder = cache_folder(args, dataset, components)
+    try:
+        cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
+                            barrier=dist.barrier if info.world_size > 1 else None, encode_batch=args.batch_size,
+                            log=log)
+    except CacheError as e:
+        raise UserError(str(e)) from None
+    cache.bucket_of = list(getattr(dataset, "bucket_of", [0] * len(dataset)))
+    cache.bucket_sizes = bucket_sizes_of(dataset, args.resolution)
+    return cache
+
+
+def use_cache(args, components):
+    """--cache auto: on for real SD3 components (their encoders cost most of a step), off for the built-in ones
+    (cheaper to run than to read back)."""
+    return args.cache == "1" or (args.cache == "auto" and components.spec["kind"] != "builtin") or args.cache_only
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The training loop
 
 
 def flow_matching_loss(model, components, batch, generator, args, device, autocast_dtype):
-    images, captions = batch["image"].to(device), list(batch["caption"])
+    """The rectified-flow loss of one micro-batch: raw images and captions, or their cached features."""
     with torch.no_grad():
-        latents = components.encode_images(images)
-        tokens, pooled = components.encode_prompts(captions)
-        drop = torch.rand(len(captions), generator=generator) < args.caption_dropout
-        tokens, pooled = drop_captions(tokens, pooled, drop.to(device))
+        if "latents" in batch:  # from the cache
+            features = {k: v.to(device) for k, v in batch.items()}
+        else:
+            features = components.encode(batch["image"].to(device), list(batch["caption"]))
+        # Caption dropout per text encoder, independently (SD3): each is dropped with p ** (1 / encoders), so a
+        # sample is fully unconditional with probability p (--caption_dropout).
+        encoders = len(components.text_encoders)
+        p_drop = args.caption_dropout ** (1 / encoders)
+        drop = torch.rand(len(features["latents"]), encoders, generator=generator) < p_drop
+        tokens, pooled = components.condition(features, drop.to(device))
+        latents = components.latents(features, generator)
     noise = torch.randn(latents.shape, generator=generator).to(device)
-    s = sample_sigmas(len(captions), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
+    s = sample_sigmas(len(latents), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
                       generator=generator).to(device)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, args.prediction)
@@ -625,11 +961,15 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     from tqdm import tqdm
 
     name, device = name or run_name(stage, args.preset), info.device
-    trained = trained or FullModel(weights_stem(args.out_dir, name))
+    trained = trained or FullModel(weights_stem(args.out_dir, name), export_pipeline=args.export_pipeline)
+    if args.export_pipeline and (components.spec["kind"] != "sd3" or args.prediction != "v"):
+        raise UserError("--export_pipeline needs SD3 components (--base) and v-prediction: diffusers' pipeline has "
+                        "neither the built-in components nor a clean-image (x) prediction")
     resume_at = resume_stem(args.save_dir, name)
     metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
     model.to(device).train()
     components.to(device)
+    check_image_sizes(args, model, components, bucket_sizes_of(dataset, args.resolution))
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") \
         else None
@@ -642,13 +982,11 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     if len(dataset) < global_batch:
         raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch ({global_batch} = "
                         "batch_size x accumulation_steps x processes): lower --batch_size")
-    with torch.no_grad():  # a resolution the model's position table cannot hold: one line now, not a traceback later
-        latent_h, latent_w = components.encode_images(torch.zeros(1, 3, args.resolution, args.resolution,
-                                                                  device=device)).shape[-2:]
-    try:
-        model.pos_embed.cropped_table(latent_h // model.config.patch_size, latent_w // model.config.patch_size)
-    except ValueError as e:
-        raise UserError(f"--resolution {args.resolution}: {e}") from None
+    if use_cache(args, components):
+        dataset = cached_dataset(args, dataset, components, info, log)
+        if args.cache_only:
+            log(f"--cache_only: the cache of {len(dataset)} samples is ready in {dataset.folder}")
+            return 0
     generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, caption dropout
     # Progress: optimizer steps taken, samples seen (all ranks), the epoch and how far into its permutation.
     # The schedule counts samples, in steps of the global batch the run started with (plan_batch), so a resume
@@ -686,7 +1024,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     ema = EMA(trained.state(model), args.ema_decay) if args.ema_decay > 0 else None
     if ema is not None and ema_shadow is not None:
         ema.shadow = ema_shadow
-    plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * (len(dataset) // plan_batch)
+    sampler = make_sampler(dataset, args.batch_size, info, args.seed)
+    plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * sampler.steps_left(0, plan_batch)
     total_samples = plan_steps * plan_batch
     if info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
         truncate_metrics(metrics_path, step)
@@ -702,7 +1041,6 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     if info.is_main:
         os.makedirs(args.out_dir, exist_ok=True)
     train_model = DDP(model) if info.world_size > 1 else model
-    sampler = EpochSampler(len(dataset), info.rank, info.world_size, seed=args.seed)
     steps_left = math.ceil((total_samples - samples_seen) / global_batch)
     log(f"{stage}: {sum(p.numel() for p in params) / 1e6:.1f}M trainable parameters, {len(dataset)} samples, "
         f"global batch {global_batch}, {step + steps_left} steps, {info.world_size} process(es) on {device.type}")
@@ -753,15 +1091,14 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     nan_streak, t_last, stop = 0, time.perf_counter(), False
     with StopSignal() as stop_signal:
         while samples_seen < total_samples and not stop:
-            if consumed + global_batch > len(dataset):
+            if sampler.steps_left(consumed, global_batch) == 0:
                 epoch, consumed = epoch + 1, 0
-            sampler.set_position(epoch, consumed)
-            mine = list(sampler)  # this rank's share of the rest of the epoch, in micro-batches
-            batches = [mine[i:i + args.batch_size] for i in range(0, len(mine) - args.batch_size + 1, args.batch_size)]
+            # this rank's share of the rest of the epoch, in micro-batches
+            batches = sampler.rank_batches(epoch, consumed, args.batch_size, global_batch)
             loader = zip(batches, torch.utils.data.DataLoader(
                 dataset, batch_sampler=batches, num_workers=args.num_workers, worker_init_fn=ignore_sigint,
                 generator=torch.Generator().manual_seed(args.seed)))  # its own generator: torch's stream untouched
-            while samples_seen < total_samples and consumed + global_batch <= len(dataset) and not stop:
+            while samples_seen < total_samples and sampler.steps_left(consumed, global_batch) and not stop:
                 lr = lr_at(samples_seen / plan_batch, plan_steps, args.learning_rate, args.warmup_steps,
                            args.min_lr_ratio)
                 for group in optimizer.param_groups:
