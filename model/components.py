@@ -155,6 +155,17 @@ SD3_HOW_TO = ("a diffusers SD3 folder as StableDiffusion3Pipeline.save_pretraine
               "tokenizer, text_encoder_2, tokenizer_2, optionally text_encoder_3 + tokenizer_3, transformer)")
 
 
+def quiet_hub_libraries():
+    """diffusers and transformers print a progress bar per loaded part and advice meant for their own users; our
+    logs and one-line errors stay readable without them."""
+    import diffusers
+    import transformers
+
+    for library in (diffusers, transformers):
+        library.utils.logging.set_verbosity_error()
+        library.utils.logging.disable_progress_bar()
+
+
 class ComponentsError(ValueError):
     """A --base folder that cannot be used: the message is one line naming what is wrong."""
 
@@ -193,15 +204,19 @@ class SD3Components(nn.Module):
         self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
         self.path, self.t5_max_length = path, int(t5_max_length)
 
+        quiet_hub_libraries()
+
         def load(cls, part):
             try:
-                return cls.from_pretrained(path, subfolder=part)
+                if part.startswith("tokenizer"):
+                    return cls.from_pretrained(path, subfolder=part)
+                return cls.from_pretrained(path, subfolder=part, torch_dtype=self.dtype)
             except Exception as e:  # a broken or foreign folder: say which part, in one line
                 raise ComponentsError(f"--base {path}: cannot load {part}/ ({' '.join(str(e).split())[:300]})") \
                     from None
 
         def frozen(module):
-            return module.to(device, self.dtype).eval().requires_grad_(False)
+            return module.to(device).eval().requires_grad_(False)
 
         self.vae = frozen(load(AutoencoderKL, "vae"))
         self.clip_l, self.clip_g = frozen(load(CLIPTextModelWithProjection, "text_encoder")), \

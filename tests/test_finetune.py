@@ -15,7 +15,7 @@ from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_lora import apply_lora, lora_layers, read_lora_file
 from model.model_sd3light import SD3Light, preset_config
-from trainer import checkpoint
+from trainer import checkpoint, trainer_utils
 from trainer.checkpoint import first_difference, load_safetensors, load_torch, read_manifest
 from trainer.trainer_utils import (
     DistInfo, UserError, add_training_args, load_for_sampling, sample_images, train,
@@ -74,8 +74,9 @@ class Fetching(torch.utils.data.Dataset):
 
 
 def run_stage(module, argv, monkeypatch, signal_at=None):
-    """Run a stage script's main() in this process (its datasets wrapped to signal at a fetch)."""
-    monkeypatch.setattr(module, "build_dataset", SignalAt(signal_at).wrap(module.build_dataset))
+    """Run a stage script's main() in this process (its datasets, which trainer_utils builds, wrapped to signal at
+    a fetch)."""
+    monkeypatch.setattr(trainer_utils, "build_dataset", SignalAt(signal_at).wrap(trainer_utils.build_dataset))
     monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
     module.main()
 

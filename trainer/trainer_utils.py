@@ -346,7 +346,7 @@ def load_diffusers_weights(folder, device="cpu", base=None):
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except (OSError, StateDictMismatchError, RuntimeError) as e:
         raise UserError(f"{transformer_dir}: {str(e).splitlines()[0][:400]}") from None
-    pipeline = os.path.dirname(transformer_dir) if transformer_dir != os.path.abspath(folder) else folder
+    pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
     components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
     if components_path is None:
         raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text encoders")
@@ -844,14 +844,15 @@ def check_image_sizes(args, model, components, sizes):
     one line now, not a traceback at the first step."""
     multiple = components.downscale * model.config.patch_size
     for width, height in sizes:
+        what = f"--resolution {args.resolution}" + ("" if width == height == args.resolution else
+                                                    f" (bucket {width}x{height})")
         if width % multiple or height % multiple:
-            raise UserError(f"image size {width}x{height} (--resolution {args.resolution}) is not a multiple of "
-                            f"{multiple} (autoencoder downscale {components.downscale} x patch size "
-                            f"{model.config.patch_size})")
+            raise UserError(f"{what}: image sides must be multiples of {multiple} (autoencoder downscale "
+                            f"{components.downscale} x patch size {model.config.patch_size})")
         try:
             model.pos_embed.cropped_table(height // multiple, width // multiple)
         except ValueError as e:
-            raise UserError(f"--resolution {args.resolution} (image size {width}x{height}): {e}") from None
+            raise UserError(f"{what}: {e}") from None
 
 
 def digest(obj):
@@ -878,13 +879,14 @@ def data_fingerprint(dataset, resolution):
             list(dataset.colors), dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
 
 
-def cache_folder(args, dataset, components):
-    """One cache folder per dataset and component set; a resolution, caption or file change rebuilds it in place."""
+def cache_folder(cache_dir, dataset, fingerprint, components):
+    """One cache folder per dataset (its parts' sources) and component set: stages on the same data share it, and
+    a resolution, caption or file change rebuilds it in place."""
     source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else dataset
     name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
-    key = digest([args.data, getattr(args, "prior_data", None), components.spec.get("kind"),
-                  components.spec.get("path")])
-    return os.path.join(args.cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
+    sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
+    key = digest([sources, components.spec.get("kind"), components.spec.get("path")])
+    return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
 
 
 def cached_dataset(args, dataset, components, info, log):
@@ -906,7 +908,7 @@ def cached_dataset(args, dataset, components, info, log):
                 features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
         return features
 
-    folder = cache_folder(args, dataset, components)
+    folder = cache_folder(args.cache_dir, dataset, fingerprint, components)
     try:
         cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
                             barrier=dist.barrier if info.world_size > 1 else None, encode_batch=args.batch_size,

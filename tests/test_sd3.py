@@ -1,0 +1,158 @@
+"""Real SD3 components (a tiny SD3 folder built here, no download): every stage trains on them through the
+cache, the cache is reused and rebuilt when it should be, and what we export is what diffusers samples."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from model.components import SD3Components
+from tests.scripts import run
+from tests.tiny_sd3 import build_folder
+from trainer.trainer_utils import load_for_sampling, load_weights, sample_images
+
+FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
+        "--preset", "sd3-tiny", "--resolution", "32"]
+
+
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    return build_folder(str(tmp_path_factory.mktemp("sd3") / "tiny-sd3"))
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory):
+    """Five captioned images of three shapes: wide, tall and square (they fall into different buckets)."""
+    folder = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate([(64, 32), (60, 30), (32, 64), (40, 40), (48, 48)]):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(folder / f"p{k}.png")
+        (folder / f"p{k}.txt").write_text(f"a large red circle number {k}")
+    return folder
+
+
+def dirs(tmp_path):
+    return ["--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt"), "--cache_dir",
+            str(tmp_path / "cache")]
+
+
+def diffusers_image(pipeline, prompt, seed, steps, cfg, resolution=32, **extra):
+    """What StableDiffusion3Pipeline draws with our sampler's settings: our step schedule (evenly spaced sigmas,
+    shifted by the scheduler) and our unconditional input (zero text). -> [3, H, W] in [-1, 1]."""
+    sigmas = list(np.linspace(1.0, 0.0, steps + 1)[:-1])
+    out = pipeline(prompt, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=cfg,
+                   sigmas=sigmas, generator=torch.Generator().manual_seed(seed), max_sequence_length=77,
+                   negative_prompt_embeds=torch.zeros(1, 154, 4096), negative_pooled_prompt_embeds=torch.zeros(1, 2048),
+                   output_type="pt", **extra)
+    return out.images[0] * 2 - 1
+
+
+@pytest.mark.slow
+def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline(tmp_path, sd3, photos):
+    from diffusers import StableDiffusion3Pipeline
+
+    args = ["trainer/train_pretrain.py", "--base", sd3, "--data", str(photos), *FAST, *dirs(tmp_path)]
+    first = run(args + ["--export_pipeline"])
+    assert "encoding 5 samples" in first.stdout and "buckets" in first.stdout
+    out = tmp_path / "out"
+    record = json.loads((out / "pretrain_sd3-tiny.json").read_text())
+    assert record["prediction"] == "v" and record["components"]["kind"] == "sd3"
+
+    # built once: the second run reuses it (and --cache_only stops there)
+    again = run(args + ["--cache_only"])
+    assert "reusing 5 samples" in again.stdout and "encoding" not in again.stdout
+    # a changed caption, or another resolution, rebuilds it
+    (photos / "p1.txt").write_text("a small blue square")
+    changed = run(args + ["--cache_only"])
+    assert "stale (changed: captions" in changed.stdout and "encoding 5 samples" in changed.stdout
+    resized = run([*args, "--cache_only", "--resolution", "48"])
+    assert "stale" in resized.stdout and "resolution" in resized.stdout and "encoding 5 samples" in resized.stdout
+
+    # the exported pipeline folder loads in diffusers and draws what we draw, for a prompt and seed
+    pipeline = StableDiffusion3Pipeline.from_pretrained(str(out / "pretrain_sd3-tiny"))
+    assert pipeline.scheduler.config.shift == record["sampling"]["shift"]
+    model, components, _ = load_weights(str(out / "pretrain_sd3-tiny.json"))
+    prompt = "a large red circle number 3"
+    ours = sample_images(model, components, [prompt], seed=7, steps=3, cfg=2.0, shift=record["sampling"]["shift"],
+                         resolution=32, device=torch.device("cpu"), prediction="v")[0]
+    theirs = diffusers_image(pipeline, prompt, seed=7, steps=3, cfg=2.0)
+    assert ours.abs().mean() > 0.01 and (ours - theirs).abs().max() < 1e-4
+
+    # eval_sample on the run's weights, and on a diffusers folder (the base's own transformer)
+    for weights in (str(out / "pretrain_sd3-tiny.json"), sd3):
+        grid = tmp_path / "grid.png"
+        run(["eval/eval_sample.py", "--weights", weights, "--prompt", "a red circle", "--steps", "2", "--out",
+             str(grid), "--out_dir", str(out)])
+        assert Image.open(grid).size[0] > 0
+        grid.unlink()
+
+
+@pytest.mark.slow
+def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diffusers(tmp_path, sd3):
+    from diffusers import StableDiffusion3Pipeline
+
+    common = ["--base", sd3, "--from_weight", "base", "--data", "builtin", "--num_samples", "8", *FAST,
+              *dirs(tmp_path)]
+    run(["trainer/train_full_sft.py", *common])
+    out = tmp_path / "out"
+    assert (out / "sft_sd3-tiny" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+    # the cache of the same data and components is shared between stages
+    lora = run(["trainer/train_lora.py", *common, "--prior_data", "none", "--learning_rate", "0.05"])
+    assert "reusing 8 samples" in lora.stdout
+    lora_path = out / "lora" / "lora_demo_sd3-tiny.safetensors"
+
+    model, components, _, lora_record = load_for_sampling(None, str(out), "cpu", lora=str(lora_path))
+    assert lora_record["base"]["weights"] == os.path.join(sd3, "transformer")
+    prompt, shift = "a large red circle in the center", 3.0
+    ours = sample_images(model, components, [prompt], seed=3, steps=2, cfg=2.0, shift=shift, resolution=32,
+                         device=torch.device("cpu"), prediction="v")[0]
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3)
+    without = diffusers_image(pipeline, prompt, seed=3, steps=2, cfg=2.0)
+    pipeline.load_lora_weights(str(lora_path))
+    with_lora = diffusers_image(pipeline, prompt, seed=3, steps=2, cfg=2.0)
+    assert (ours - with_lora).abs().max() < 1e-4
+    assert (with_lora - without).abs().max() > 1e-3  # the adapters did something
+
+
+@pytest.mark.slow
+def test_a_bad_base_folder_is_a_one_line_error(tmp_path, sd3):
+    broken = tmp_path / "no-vae"
+    os.makedirs(broken)
+    for part in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
+        os.symlink(os.path.join(sd3, part), broken / part)
+    cases = [
+        (["--base", str(broken), "--preset", "sd3-tiny"], "lacks vae/"),
+        (["--base", sd3, "--preset", "tiny"], "in_channels=16"),  # the built-in presets' sizes do not fit SD3's
+        (["--base", str(tmp_path / "nowhere"), "--preset", "sd3-tiny"], "is not a folder"),
+    ]
+    for extra, expected in cases:
+        result = run(["trainer/train_pretrain.py", *extra, *dirs(tmp_path)], check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
+    result = run(["trainer/train_full_sft.py", "--from_weight", "base", *dirs(tmp_path)], check=False)
+    assert result.returncode == 2 and "needs --base" in result.stderr
+
+
+def test_sd3_text_is_formed_as_diffusers_forms_it_with_and_without_t5(tmp_path, sd3):
+    from diffusers import StableDiffusion3Pipeline
+
+    no_t5 = build_folder(str(tmp_path / "no-t5"), with_t5=False)
+    captions = ["a large red circle in the center", "", "two blue stars and words it has never seen"]
+    for folder, extra in ((sd3, {}), (no_t5, {"text_encoder_3": None, "tokenizer_3": None})):
+        pipeline = StableDiffusion3Pipeline.from_pretrained(folder, **extra)  # diffusers wants T5's absence said
+        components = SD3Components(folder)
+        with torch.no_grad():
+            tokens, _, pooled, _ = pipeline.encode_prompt(captions, captions, captions, max_sequence_length=77,
+                                                          do_classifier_free_guidance=False)
+        ours_tokens, ours_pooled = components.encode_prompts(captions)
+        assert torch.equal(ours_tokens, tokens) and torch.equal(ours_pooled, pooled)
+        assert ours_tokens.shape == (3, 154, 4096) and ours_pooled.shape == (3, 2048)
+    # caption dropout zeroes each encoder's part independently
+    features = components.encode_text(captions)
+    drop = torch.tensor([[True, False], [False, True], [False, False]])
+    dropped_tokens, dropped_pooled = components.condition(features, drop)
+    assert dropped_tokens[0, :, :32].abs().sum() == 0 and dropped_tokens[0, :77, 32:80].abs().sum() > 0
+    assert dropped_pooled[0, :768].abs().sum() == 0 and dropped_pooled[1, 768:].abs().sum() == 0
+    assert torch.equal(dropped_tokens[2], ours_tokens[2])
