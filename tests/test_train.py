@@ -272,3 +272,24 @@ def test_ema_decay_warms_up_then_holds():
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11))
     ema.update(model.state_dict(), step=10_000)  # decay capped at 0.99
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11 + (2 / 11) * 0.01))
+
+
+def test_built_in_components_train_the_same_from_the_cache(tmp_path):
+    """The built-in data and components go through the same cache code as SD3's (--cache 1): same losses."""
+    import argparse
+
+    from model.model_sd3light import preset_config
+    from trainer.trainer_utils import DistInfo, train
+
+    losses = {}
+    for cache in ("0", "1"):
+        run_dir = tmp_path / cache
+        args = add_training_args(argparse.ArgumentParser()).parse_args([
+            "--batch_size", "4", "--max_steps", "4", "--sample_interval", "0", "--sample_steps", "1", "--cache", cache,
+            "--out_dir", str(run_dir / "out"), "--save_dir", str(run_dir / "ckpt"), "--cache_dir", str(run_dir / "c")])
+        torch.manual_seed(0)
+        train(args, "pretrain", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS),
+              ShapesDataset("train", 16, 32), DistInfo(), lambda msg: None, ["a red circle"])
+        losses[cache] = [row["loss"] for row in map(json.loads, open(run_dir / "out" / "pretrain_tiny_metrics.jsonl"))]
+    assert len(list((tmp_path / "1" / "c").glob("*/index.json"))) == 1 and not (tmp_path / "0" / "c").exists()
+    assert len(losses["1"]) == 4 and losses["1"] == pytest.approx(losses["0"], rel=1e-5)
