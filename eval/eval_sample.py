@@ -4,6 +4,7 @@
     python eval/eval_sample.py --weights out/pretrain_tiny.json --prompt_file prompts.txt --seeds 4
     python eval/eval_sample.py --lora demo --prompt "a large white star in the center"      # on the LoRA's base
     python eval/eval_sample.py --lora demo --lora_scale 0.5 --merge --prompt "two white circles"
+    python eval/eval_sample.py --weights /models/sd3-medium --prompt "a cat" --steps 28 --cfg 7      # diffusers folder
 
 A LoRA is applied as trained (an extra low-rank term in each adapted layer), or with --merge folded into the
 weights first; both give the same images.
@@ -23,8 +24,11 @@ from trainer.trainer_utils import (  # noqa: E402
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", default=None, help="a stage name in --out_dir, or a path; default: the "
-                        "LoRA's base weights, else pretrain_tiny")
+    parser.add_argument("--weights", default=None, help="a stage name in --out_dir, a path, or a diffusers folder "
+                        "(a pipeline, or a transformer with --base); default: the LoRA's base weights, else "
+                        "pretrain_tiny")
+    parser.add_argument("--base", default=None, help="the SD3 folder to take the VAE and text encoders from, instead "
+                        "of the one the weights name")
     parser.add_argument("--lora", default=None, help="a LoRA name in out/lora (as --lora_name trained it), or a path")
     parser.add_argument("--lora_scale", type=float, default=1.0, help="0 = the base model, 1 = as trained")
     parser.add_argument("--merge", action="store_true", help="merge the LoRA into the weights before sampling")
@@ -35,6 +39,7 @@ def main():
     parser.add_argument("--steps", type=int, default=None, help="default: what the run sampled with")
     parser.add_argument("--cfg", type=float, default=None)
     parser.add_argument("--shift", type=float, default=None)
+    parser.add_argument("--resolution", type=int, default=None, help="default: what the run trained at")
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--out", default=None, help="PNG path; default out/samples/<weights>_eval.png")
     args = parser.parse_args()
@@ -44,11 +49,12 @@ def main():
         raise UserError("no prompts: pass --prompt TEXT (repeatable) or --prompt_file FILE")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
-                                                               args.lora_scale, args.merge)
+                                                               args.lora_scale, args.merge, args.base)
     sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
     images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
-                           resolution=record["resolution"], device=device, prediction=record["prediction"])
+                           resolution=args.resolution or record["resolution"], device=device,
+                           prediction=record["prediction"])
     name = sampling_name(record, lora_record) + ("_merged" if args.merge and lora_record is not None else "")
     out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))

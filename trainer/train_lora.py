@@ -88,6 +88,9 @@ def main():
     args = parser.parse_args()
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.lora_name):
         raise UserError(f"--lora_name {args.lora_name!r}: use letters, digits, '-' and '_' only (it names a file)")
+    if args.export_pipeline:
+        raise UserError("--export_pipeline is for the full-model stages: a LoRA file loads into any SD3 pipeline "
+                        "with load_lora_weights")
     info = init_distributed()
     log = Logger(info)
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank

@@ -209,11 +209,11 @@ class BucketSampler:
         return [rest[i] for i in range(self.rank, len(rest), self.world)]
 
 
-def make_sampler(dataset, batch_size, info, seed):
-    bucket_of = getattr(dataset, "bucket_of", None)
-    if bucket_of is not None and len(set(bucket_of)) > 1:
+def make_sampler(bucket_of, num_samples, batch_size, info, seed):
+    """Buckets when the samples come in more than one image size, else one permutation an epoch."""
+    if len(set(bucket_of)) > 1:
         return BucketSampler(bucket_of, info.rank, info.world_size, batch_size, seed)
-    return EpochSampler(len(dataset), info.rank, info.world_size, seed=seed)
+    return EpochSampler(num_samples, info.rank, info.world_size, seed=seed)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -834,9 +834,18 @@ def training_dataset(args, components, patch_size, log, data=None, num_samples=N
                          buckets=sizes)
 
 
-def bucket_sizes_of(dataset, resolution):
-    """The image sizes a dataset yields: its aspect-ratio buckets, else the square resolution."""
-    return getattr(dataset, "bucket_sizes", None) or [(resolution, resolution)]
+def bucket_layout(dataset, resolution):
+    """-> (bucket of each sample, bucket sizes): the image size every sample comes at. Squares of the resolution
+    for unbucketed data; the parts of a concatenation (LoRA's prior data) share buckets of the same size."""
+    sizes, bucket_of = [], []
+    for part in dataset.datasets if isinstance(dataset, torch.utils.data.ConcatDataset) else [dataset]:
+        part_sizes = [tuple(size) for size in (getattr(part, "bucket_sizes", None) or [(resolution, resolution)])]
+        for size in part_sizes:
+            if size not in sizes:
+                sizes.append(size)
+        part_of = getattr(part, "bucket_of", None) or [0] * len(part)
+        bucket_of += [sizes.index(part_sizes[b]) for b in part_of]
+    return bucket_of, sizes
 
 
 def check_image_sizes(args, model, components, sizes):
@@ -866,7 +875,7 @@ def data_fingerprint(dataset, resolution):
     if isinstance(dataset, torch.utils.data.ConcatDataset):
         parts = [data_fingerprint(d, resolution) for d in dataset.datasets]
         return {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
-    sizes = [list(size) for size in bucket_sizes_of(dataset, resolution)]
+    sizes = [list(size) for size in bucket_layout(dataset, resolution)[1]]
     if hasattr(dataset, "items"):  # user images
         files = []
         for path, _ in dataset.items:
@@ -915,8 +924,6 @@ def cached_dataset(args, dataset, components, info, log):
                             log=log)
     except CacheError as e:
         raise UserError(str(e)) from None
-    cache.bucket_of = list(getattr(dataset, "bucket_of", [0] * len(dataset)))
-    cache.bucket_sizes = bucket_sizes_of(dataset, args.resolution)
     return cache
 
 
@@ -971,7 +978,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
     model.to(device).train()
     components.to(device)
-    check_image_sizes(args, model, components, bucket_sizes_of(dataset, args.resolution))
+    bucket_of, sizes = bucket_layout(dataset, args.resolution)
+    check_image_sizes(args, model, components, sizes)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda") \
         else None
@@ -1026,7 +1034,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     ema = EMA(trained.state(model), args.ema_decay) if args.ema_decay > 0 else None
     if ema is not None and ema_shadow is not None:
         ema.shadow = ema_shadow
-    sampler = make_sampler(dataset, args.batch_size, info, args.seed)
+    sampler = make_sampler(bucket_of, len(dataset), args.batch_size, info, args.seed)
     plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * sampler.steps_left(0, plan_batch)
     total_samples = plan_steps * plan_batch
     if info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
