@@ -202,6 +202,7 @@ class SD3Components(nn.Module):
         device = torch.device(device)
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
+        self.truncated_captions = 0  # captions longer than CLIP's 77 tokens, counted as they are encoded
         self.path, self.t5_max_length = path, int(t5_max_length)
 
         quiet_hub_libraries()
@@ -280,6 +281,8 @@ class SD3Components(nn.Module):
     def encode_text(self, captions):
         captions = list(captions)
         features = {}
+        clip_limit = self.tokenizers["clip_l"].model_max_length
+        self.truncated_captions += sum(len(ids) > clip_limit for ids in self.tokenizers["clip_l"](captions).input_ids)
         for name, encoder in (("clip_l", self.clip_l), ("clip_g", self.clip_g)):
             tokenizer = self.tokenizers[name]
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,

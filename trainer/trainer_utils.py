@@ -924,7 +924,22 @@ def cached_dataset(args, dataset, components, info, log):
                             log=log)
     except CacheError as e:
         raise UserError(str(e)) from None
+    warn_truncated(components, info, log)
     return cache
+
+
+def warn_truncated(components, info, log):
+    """One counted warning for the captions CLIP cut short, over all ranks (encoding goes on: diffusers truncates
+    the same way). Every rank calls it."""
+    count = getattr(components, "truncated_captions", 0)
+    if info.world_size > 1:
+        total = torch.tensor([float(count)], dtype=torch.float64, device=info.device)
+        dist.all_reduce(total)
+        count = int(total.item())
+    if count:
+        log(f"warning: {count} caption(s) were longer than CLIP's 77 tokens and were truncated for CLIP (T5 reads "
+            "up to --t5_max_length tokens)")
+        components.truncated_captions = 0
 
 
 def use_cache(args, components):
@@ -1173,6 +1188,7 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
         dist.barrier()  # leave together: rank 0 may still be writing the last save or sample grid
     if wandb_run is not None:
         wandb_run.finish()
+    warn_truncated(components, info, log)  # when encoding as it trained (no cache)
     if stop:
         what = signal.Signals(stop_signal.received).name if stop_signal.received else "a stop signal on another rank"
         log(f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1")
