@@ -192,3 +192,15 @@ def test_a_cached_bucketed_run_on_sd3_components_stops_and_resumes_bitwise_exact
     for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
     assert whole["logged"] == cut["logged"]
+
+
+@pytest.mark.slow
+def test_the_cache_is_built_by_every_process_under_torchrun(tmp_path, sd3):
+    """Shard k is encoded by rank k mod 2; the index commits both, and a single process then reuses them."""
+    args = ["trainer/train_pretrain.py", "--base", sd3, "--preset", "sd3-tiny", "--num_samples", "300", "--cache_only",
+            *dirs(tmp_path)]
+    built = run(args, torchrun=2)
+    assert "encoding 300 samples into 2 shards" in built.stdout
+    index = json.loads(next((tmp_path / "cache").glob("*/index.json")).read_text())
+    assert [shard["count"] for shard in index["shards"]] == [256, 44]
+    assert "reusing 300 samples in 2 shards" in run(args).stdout

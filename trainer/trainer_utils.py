@@ -884,8 +884,8 @@ def data_fingerprint(dataset, resolution):
         return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": digest(files),
                 "captions": digest([caption for _, caption in dataset.items]), "sizes": sizes,
                 "buckets": digest(list(getattr(dataset, "bucket_of", [])))}
-    return {"data": "builtin", "count": len(dataset), "generator": digest([dataset.split, dataset.seed,
-            list(dataset.colors), dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
+    return {"data": f"builtin:{dataset.split}:{','.join(dataset.colors)}", "count": len(dataset),
+            "generator": digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
 
 
 def cache_folder(cache_dir, dataset, fingerprint, components):
