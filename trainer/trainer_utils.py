@@ -900,7 +900,7 @@ def cache_folder(cache_dir, dataset, fingerprint, components):
 
 def cached_dataset(args, dataset, components, info, log):
     """Encode every sample once (split across ranks, resumable) and return the cache, read memory-mapped; its
-    items are feature dicts (components.encode). The buckets of `dataset` carry over."""
+    items are feature dicts (components.encode), in the order of `dataset`'s samples."""
     fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
                    "components": digest(components.identity())}
 
