@@ -6,8 +6,9 @@
     python trainer/train_pretrain.py --base /models/sd3-medium --preset base --data my_images/ --resolution 256
 
 Writes out/pretrain_<preset>.json and the files it names (weights for sampling and fine-tuning; a v-prediction
-model also as a diffusers transformer in out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint
-checkpoints/pretrain_<preset>_resume.json (+ its file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+model also as a diffusers transformer in out/pretrain_<preset>/transformer/), sample grids in out/samples/,
+metrics in out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json
+(+ its file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
 """
 import argparse
 import os
