@@ -349,7 +349,8 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
     components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
     if components_path is None:
-        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text encoders")
+        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
+                        "encoders")
     components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
                                 None, device, folder)
     shift = 3.0
