@@ -203,6 +203,7 @@ class SD3Components(nn.Module):
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
         self.truncated_captions = 0  # captions longer than CLIP's 77 tokens, counted as they are encoded
+        self.prompt_memo = {}  # prompts -> (tokens, pooled), encoded before the text encoders went to the CPU
         self.path, self.t5_max_length = path, int(t5_max_length)
 
         quiet_hub_libraries()
@@ -286,14 +287,23 @@ class SD3Components(nn.Module):
         for name, encoder in (("clip_l", self.clip_l), ("clip_g", self.clip_g)):
             tokenizer = self.tokenizers[name]
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="pt").input_ids.to(self.device)
+                            return_tensors="pt").input_ids.to(encoder.device)
             out = encoder(ids, output_hidden_states=True)
-            features[f"{name}_tokens"], features[f"{name}_pooled"] = out.hidden_states[-2], out.text_embeds
+            features[f"{name}_tokens"] = out.hidden_states[-2].to(self.device)
+            features[f"{name}_pooled"] = out.text_embeds.to(self.device)
         if self.t5 is not None:
             ids = self.tokenizers["t5"](captions, padding="max_length", max_length=self.t5_max_length, truncation=True,
-                                        add_special_tokens=True, return_tensors="pt").input_ids.to(self.device)
-            features["t5_tokens"] = self.t5(ids)[0]
+                                        add_special_tokens=True, return_tensors="pt").input_ids.to(self.t5.device)
+            features["t5_tokens"] = self.t5(ids)[0].to(self.device)
         return features
+
+    def offload_text_encoders(self, prompts):
+        """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now and
+        move the encoders (T5-XXL alone is 9.5 GB in bf16) to the CPU, where any other prompt is still encoded."""
+        self.prompt_memo[tuple(prompts)] = self.condition(self.encode_text(prompts))
+        for encoder in (self.clip_l, self.clip_g, self.t5):
+            if encoder is not None:
+                encoder.to("cpu")
 
     @torch.no_grad()
     def encode(self, images, captions):
@@ -322,6 +332,9 @@ class SD3Components(nn.Module):
         return torch.cat([clip, t5], dim=1), pooled
 
     def encode_prompts(self, captions):
+        captions = tuple(captions)
+        if captions in self.prompt_memo:
+            return self.prompt_memo[captions]
         return self.condition(self.encode_text(captions))
 
     def trained_state_dict(self):

@@ -1013,6 +1013,8 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
         if args.cache_only:
             log(f"--cache_only: the cache of {len(dataset)} samples is ready in {dataset.folder}")
             return 0
+        if device.type == "cuda" and hasattr(components, "offload_text_encoders"):
+            components.offload_text_encoders(sample_prompts)  # GPU memory for the transformer instead
     generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, caption dropout
     # Progress: optimizer steps taken, samples seen (all ranks), the epoch and how far into its permutation.
     # The schedule counts samples, in steps of the global batch the run started with (plan_batch), so a resume
