@@ -199,9 +199,6 @@ class BucketSampler:
         return math.ceil(max(0, self.n - consumed) / global_batch)
 
     def rank_batches(self, epoch, consumed, batch_size, global_batch):
-        if batch_size != self.batch_size:
-            raise UserError(f"--batch_size {batch_size}: bucketed data is planned in micro-batches of "
-                            f"{self.batch_size} (the run's batch size)")
         plan = self.plan.micro_batches(epoch)
         rest = plan[consumed // batch_size:]
         per_step = global_batch // batch_size  # micro-batches in a step, over all ranks
@@ -1053,6 +1050,9 @@ def train(args, stage, model, components, dataset, info, log, sample_prompts, tr
     if ema is not None and ema_shadow is not None:
         ema.shadow = ema_shadow
     sampler = make_sampler(bucket_of, len(dataset), args.batch_size, info, args.seed)
+    if isinstance(sampler, BucketSampler) and state is not None and state["args"]["batch_size"] != args.batch_size:
+        raise UserError(f"cannot resume bucketed data with --batch_size {args.batch_size}: its epochs are planned in "
+                        f"micro-batches of {state['args']['batch_size']} (change --accumulation_steps instead)")
     plan_steps = args.max_steps if args.max_steps > 0 else args.epochs * sampler.steps_left(0, plan_batch)
     total_samples = plan_steps * plan_batch
     if info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
