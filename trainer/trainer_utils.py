@@ -358,8 +358,7 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     record = {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
               "resolution": config.sample_size * components.downscale, "transformer": config.to_dict(),
               "components": components.spec, "sampling": {"steps": 28, "cfg": 7.0, "shift": shift},
-              "manifest": os.path.abspath(transformer_dir),
-              "sha256": digest([sha256_of(path) for path in files])}
+              "manifest": os.path.abspath(transformer_dir), "weight_files": files}
     return model.to(device).eval(), components.to(device), record
 
 
@@ -480,8 +479,9 @@ def weights_identity(record, out_dir):
     manifest = os.path.abspath(record["manifest"])
     if os.path.dirname(manifest) == os.path.abspath(out_dir):
         manifest = os.path.basename(manifest)
-    if "sha256" in record:  # a diffusers folder
-        return {"weights": manifest, "step": record["step"], "sha256": record["sha256"]}
+    if "weight_files" in record:  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
+        return {"weights": manifest, "step": record["step"],
+                "sha256": digest([sha256_of(path) for path in record["weight_files"]])}
     transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))
     return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
 
