@@ -26,8 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from model.file_io import atomic_path, atomic_write_text
-from trainer.checkpoint import tensors_equal
+from model.file_io import atomic_path, atomic_write_text, tensors_equal
 
 FORMAT = 1
 INDEX = "index.json"

@@ -1,7 +1,13 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a partial one."""
+"""Atomic file writes: a reader sees the old file or the complete new one, never a partial one. And verified
+safetensors writes (read back and compared), which the checkpoints, LoRA files and the feature cache share."""
 import contextlib
+import hashlib
 import os
 import tempfile
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 
 @contextlib.contextmanager
@@ -40,3 +46,36 @@ def atomic_write_text(path, text):
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def sha256_of(path, chunk=1 << 22):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tensors_equal(a, b):
+    """Same dtype, shape and values (NaNs in the same places count as equal)."""
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
+    return torch.equal(a, b)
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Write, read back (memory-mapped) and compare every tensor; -> the manifest entry."""
+    if not tensors:
+        raise RuntimeError(f"refusing to write an empty state dict to {path}")
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata=metadata)
+    with safe_open(path, framework="pt") as f:
+        if set(f.keys()) != set(tensors):
+            raise RuntimeError(f"{path} read back with other keys than were written")
+        bad = next((k for k in tensors if not tensors_equal(tensors[k], f.get_tensor(k))), None)
+    if bad is not None:
+        raise RuntimeError(f"{path} read back with a different {bad}")
+    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}

@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
-from trainer.checkpoint import write_safetensors
+from model.file_io import write_safetensors
+
 
 # Module-name suffixes, matched against the last parts of each nn.Linear's path in the model.
 TARGET_GROUPS = {

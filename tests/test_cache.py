@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dataset.cache import CacheError, FeatureCache, build_cache, cache_size_bytes, describe_changes
-from trainer.checkpoint import tensors_equal
+from model.file_io import tensors_equal
 
 from tests.scripts import ENV, REPO
 

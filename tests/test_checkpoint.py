@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
+from model import file_io
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from trainer import checkpoint
@@ -112,12 +113,12 @@ def test_an_empty_or_incomplete_state_is_refused_before_anything_is_replaced(tmp
 def test_a_write_that_reads_back_wrong_is_caught_and_never_committed(tmp_path, monkeypatch):
     stem = str(tmp_path / "run")
     save_checkpoint(stem, 1, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
-    real_save_file = checkpoint.save_file
+    real_save_file = file_io.save_file
 
     def lossy_save_file(tensors, path, metadata=None):  # a writer that silently changes a value
         real_save_file({k: v * 0.5 for k, v in tensors.items()}, path, metadata=metadata)
 
-    monkeypatch.setattr(checkpoint, "save_file", lossy_save_file)
+    monkeypatch.setattr(file_io, "save_file", lossy_save_file)  # the verified writer lives in model/file_io.py
     with pytest.raises(RuntimeError, match="read back with a different w"):
         save_checkpoint(stem, 2, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
     assert read_manifest(stem, "weights")["step"] == 1  # the previous save is still the committed one

@@ -13,16 +13,14 @@ moment therefore leaves the last committed save whole, and the next start delete
 behind. Loading checks sizes and hashes against the manifest first, so a truncated or edited file is a
 one-line error instead of a crash deep in torch, and reads torch files with `weights_only=True` only.
 """
-import hashlib
 import json
 import os
 import re
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from model.file_io import atomic_path, atomic_write_text
+from model.file_io import atomic_path, atomic_write_text, sha256_of, tensors_equal, write_safetensors
 
 
 class CheckpointError(Exception):
@@ -43,24 +41,6 @@ def step_file(stem, step, suffix):
     return f"{stem}.step{step:08d}{suffix}"
 
 
-def sha256_of(path, chunk=1 << 22):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def tensors_equal(a, b):
-    """Same dtype, shape and values (NaNs in the same places count as equal)."""
-    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.is_floating_point():
-        nan = a.isnan()
-        return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
-    return torch.equal(a, b)
-
-
 def first_difference(expected, found, where="state"):
     """The path of the first place where two nested dicts/lists/tensors differ, or None."""
     if isinstance(expected, torch.Tensor):
@@ -75,21 +55,6 @@ def first_difference(expected, found, where="state"):
         return next((d for i, (e, f) in enumerate(zip(expected, found))
                      if (d := first_difference(e, f, f"{where}[{i}]"))), None)
     return None if expected == found else where
-
-
-def write_safetensors(path, tensors, metadata=None):
-    """Write, read back (memory-mapped) and compare every tensor; -> the manifest entry."""
-    if not tensors:
-        raise RuntimeError(f"refusing to write an empty state dict to {path}")
-    with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
-    with safe_open(path, framework="pt") as f:
-        if set(f.keys()) != set(tensors):
-            raise RuntimeError(f"{path} read back with other keys than were written")
-        bad = next((k for k in tensors if not tensors_equal(tensors[k], f.get_tensor(k))), None)
-    if bad is not None:
-        raise RuntimeError(f"{path} read back with a different {bad}")
-    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
 def write_torch(path, state):
