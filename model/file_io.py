@@ -1,5 +1,6 @@
 """Atomic file writes: a reader sees the old file or the complete new one, never a partial one. And verified
-safetensors writes (read back and compared), which the checkpoints, LoRA files and the feature cache share."""
+safetensors writes (read back and compared), for checkpoints and LoRA files; the feature cache compares its
+shards with the same tensors_equal."""
 import contextlib
 import hashlib
 import os
