@@ -60,12 +60,18 @@ def nearest_bucket(width, height, sizes):
     return min(range(len(sizes)), key=lambda i: abs(math.log(sizes[i][0] / sizes[i][1]) - log_ratio))
 
 
-def bucket_info(dataset, resolution):
-    """(bucket_of, bucket_sizes) of any dataset: its own when it has them (ImageCaptionDataset), else every sample
-    in the one square bucket (the built-in shapes are all resolution x resolution)."""
-    if hasattr(dataset, "bucket_of") and hasattr(dataset, "bucket_sizes"):
-        return list(dataset.bucket_of), list(dataset.bucket_sizes)
-    return [0] * len(dataset), [(resolution, resolution)]
+def bucket_layout(dataset, resolution):
+    """-> (bucket of each sample, bucket sizes): the image size every sample comes at. Squares of the resolution
+    for unbucketed data; the parts of a concatenation (LoRA's prior data) share buckets of the same size."""
+    sizes, bucket_of = [], []
+    for part in dataset.datasets if isinstance(dataset, torch.utils.data.ConcatDataset) else [dataset]:
+        part_sizes = [tuple(size) for size in (getattr(part, "bucket_sizes", None) or [(resolution, resolution)])]
+        for size in part_sizes:
+            if size not in sizes:
+                sizes.append(size)
+        part_of = getattr(part, "bucket_of", None) or [0] * len(part)
+        bucket_of += [sizes.index(part_sizes[b]) for b in part_of]
+    return bucket_of, sizes
 
 
 def _generator(*keys):

@@ -14,7 +14,6 @@ exists: an index always describes a whole cache. A cache whose fingerprint chang
 shard is touched. A build killed at any moment resumes: shards that hold exactly their samples and carry the
 fingerprint's hash are kept, only the others are encoded. Shard k is built by rank k % world_size.
 """
-import hashlib
 import json
 import math
 import operator
@@ -23,10 +22,9 @@ import re
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
-from model.file_io import atomic_path, atomic_write_text, tensors_equal
+from model.file_io import atomic_write_text, json_digest, write_safetensors
 
 FORMAT = 1
 INDEX = "index.json"
@@ -178,10 +176,6 @@ def _normalized(fingerprint):
         raise CacheError(f"the cache fingerprint must be JSON-able: {e}") from None
 
 
-def _digest(fingerprint):
-    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
-
-
 def _read_json(path):
     """-> the dict in `path`, or None if it is missing or is not a JSON object."""
     try:
@@ -284,7 +278,7 @@ def _prepare(folder, fingerprint, num_samples, shard_size, say):
     atomic_write_text(building_path, json.dumps({"fingerprint": fingerprint, "num_samples": num_samples,
                                                  "shard_size": shard_size, "format": FORMAT}, indent=2) + "\n")
     num_shards = math.ceil(num_samples / shard_size)
-    digest, kept = _digest(fingerprint), 0
+    digest, kept = json_digest(fingerprint), 0
     for name in _shard_files(folder):
         k = int(name[len("shard_"):-len(".safetensors")])
         path = os.path.join(folder, name)
@@ -306,7 +300,7 @@ def _build_shards(folder, fingerprint, num_samples, shard_size, encode, rank, wo
     num_shards = math.ceil(num_samples / shard_size)
     mine = [k for k in range(rank, num_shards, world_size) if not os.path.exists(os.path.join(folder, shard_name(k)))]
     total = sum(_shard_range(k, num_samples, shard_size)[1] for k in mine)
-    metadata = {"fingerprint_sha256": _digest(fingerprint), "format": str(FORMAT)}
+    metadata = {"fingerprint_sha256": json_digest(fingerprint), "format": str(FORMAT)}
     with tqdm(total=total, desc="caching features", unit="sample", disable=not progress, dynamic_ncols=True) as bar:
         for k in mine:
             first, count = _shard_range(k, num_samples, shard_size)
@@ -342,14 +336,13 @@ def _encoded(encode, indices):
 
 
 def _write_shard(path, tensors, metadata):
-    """Write atomically, then read back (memory-mapped) and compare every tensor."""
-    with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
-    with safe_open(path, framework="pt") as f:
-        same = set(f.keys()) == set(tensors) and all(tensors_equal(t, f.get_tensor(k)) for k, t in tensors.items())
-    if not same:
-        os.remove(path)
-        raise CacheError(f"cache shard {path} read back different from what was written: is the disk failing?")
+    """Write atomically, read back and compared (model/file_io.py); a shard that reads back wrong is removed."""
+    try:
+        write_safetensors(path, tensors, metadata=metadata)
+    except RuntimeError:
+        _remove(path)
+        raise CacheError(f"cache shard {path} read back different from what was written: is the disk failing?") \
+            from None
 
 
 def _commit(folder, fingerprint, num_samples, shard_size):

@@ -3,6 +3,7 @@ safetensors writes (read back and compared), for checkpoints and LoRA files; the
 shards with the same tensors_equal."""
 import contextlib
 import hashlib
+import json
 import os
 import tempfile
 
@@ -47,6 +48,11 @@ def atomic_write_text(path, text):
     with atomic_path(path) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def json_digest(obj):
+    """The sha256 of a JSON-able object (keys sorted): a stable name for what it describes."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def sha256_of(path, chunk=1 << 22):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from dataset.buckets import MAX_AREA_FACTOR, BucketBatches, bucket_info, bucket_sizes, nearest_bucket
+from dataset.buckets import MAX_AREA_FACTOR, BucketBatches, bucket_layout, bucket_sizes, nearest_bucket
 from dataset.image_folder import DatasetError, ImageCaptionDataset, build_dataset, load_image, read_image, to_rgb
 from dataset.shapes import ShapesDataset
 from tests.test_dataset import exif_jpeg, save_png
@@ -198,7 +198,8 @@ def test_dataset_with_buckets(shaped_folder):
     assert plain.bucket_of == [0] * 6 and plain.bucket_sizes == [(32, 32)] and ", buckets" not in plain.summary
     assert plain.summary == dataset.summary.partition(", buckets")[0]
     assert all(plain[i]["image"].shape == (3, 32, 32) for i in range(len(plain)))
-    assert bucket_info(dataset, 32) == (dataset.bucket_of, sizes) and bucket_info(plain, 32) == ([0] * 6, [(32, 32)])
+    assert bucket_layout(dataset, 32) == (dataset.bucket_of, sizes)
+    assert bucket_layout(plain, 32) == ([0] * 6, [(32, 32)])
 
 
 def test_build_dataset_buckets(shaped_folder):
@@ -209,4 +210,4 @@ def test_build_dataset_buckets(shaped_folder):
         build_dataset("builtin", 32, log=lambda line: None, buckets=sizes)
     assert "\n" not in str(error.value)
     shapes = ShapesDataset("train", 5, 32)
-    assert bucket_info(shapes, 32) == ([0] * 5, [(32, 32)])
+    assert bucket_layout(shapes, 32) == ([0] * 5, [(32, 32)])

@@ -1,7 +1,6 @@
 """What every training stage shares: distributed set-up, logging, LR schedule, data order, saving and resuming,
 EMA, sample grids and the training loop itself. A stage script builds its model and calls `train`."""
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -21,14 +20,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from dataset.buckets import BucketBatches, bucket_sizes  # noqa: E402
+from dataset.buckets import BucketBatches, bucket_layout, bucket_sizes  # noqa: E402
 from dataset.cache import CacheError, build_cache  # noqa: E402
 from dataset.image_folder import build_dataset  # noqa: E402
 from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION  # noqa: E402
 from model.components import (  # noqa: E402
-    BuiltinComponents, ComponentsError, SD3Components, build_components, check_sd3_folder,
+    BuiltinComponents, ComponentsError, SD3Components, build_components,
 )
-from model.file_io import atomic_path, atomic_write_text  # noqa: E402
+from model.file_io import atomic_path, atomic_write_text, json_digest  # noqa: E402
 from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale  # noqa: E402
 from model.model_sd3light import (  # noqa: E402
     PRESETS, SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict,
@@ -38,7 +37,7 @@ from model.rectified_flow import (  # noqa: E402
 )
 from trainer.checkpoint import (  # noqa: E402
     CheckpointError, checkpoint_file, load_safetensors, load_torch, manifest_path, read_manifest, remove_leftovers,
-    save_checkpoint, sha256_of, stem_of, write_safetensors,
+    save_checkpoint, sha256_of, stem_of, step_file,
 )
 
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
@@ -55,7 +54,7 @@ def run_main(main):
     """Run a stage's main(): user errors become one line on stderr and exit code 2."""
     try:
         main()
-    except (UserError, CheckpointError) as e:
+    except (UserError, CheckpointError, ComponentsError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; the last committed checkpoint is intact
@@ -191,7 +190,7 @@ class BucketSampler:
     global batch grows."""
 
     def __init__(self, bucket_of, rank, world_size, batch_size, seed=0):
-        self.rank, self.world, self.batch_size = rank, world_size, batch_size
+        self.rank, self.world = rank, world_size
         self.plan = BucketBatches(bucket_of, batch_size, seed)
         self.n = self.plan.len_micro_batches() * batch_size  # samples in an epoch's list
 
@@ -326,6 +325,9 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     record). The components come from `base`, else from the pipeline folder itself. Published SD3 transformers
     predict the velocity."""
     transformer_dir = diffusers_transformer_dir(folder)
+    if transformer_dir is None:
+        raise UserError(f"{folder} holds no diffusers transformer (transformer/config.json and "
+                        f"{DIFFUSERS_WEIGHTS} or its shards)")
     try:
         config = SD3LightConfig.load_json(transformer_dir)
     except (OSError, ValueError) as e:
@@ -334,6 +336,14 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     if preset is None:
         raise UserError(f"the transformer in {transformer_dir} matches no preset (layers {config.num_layers}, width "
                         f"{config.inner_dim}): add its config to PRESETS in model/model_sd3light.py")
+    # the components first: a wrong --base is a one-line error before gigabytes of weights are read
+    pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
+    components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
+    if components_path is None:
+        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
+                        "encoders")
+    components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
+                                None, device, folder)
     model = SD3Light(config)
     files = diffusers_weight_files(transformer_dir)
     try:
@@ -343,13 +353,6 @@ def load_diffusers_weights(folder, device="cpu", base=None):
         model.load_state_dict({k: v.float() for k, v in state.items()})
     except (OSError, StateDictMismatchError, RuntimeError) as e:
         raise UserError(f"{transformer_dir}: {str(e).splitlines()[0][:400]}") from None
-    pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
-    components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
-    if components_path is None:
-        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
-                        "encoders")
-    components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
-                                None, device, folder)
     shift = 3.0
     scheduler = os.path.join(pipeline, "scheduler", "scheduler_config.json")
     if os.path.isfile(scheduler):
@@ -362,19 +365,27 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     return model.to(device).eval(), components.to(device), record
 
 
-def export_diffusers(folder, model, state, dtype, pipeline_from=None, shift=3.0):
-    """Write `state` as a diffusers transformer, folder/transformer/ (config.json + safetensors, verified); with
+def export_diffusers(folder, model, weights_file, pipeline_from=None, shift=3.0):
+    """Give the verified weights file of a save (the model's keys are diffusers' names) a diffusers transformer
+    folder, folder/transformer/ (config.json + the file, hard-linked: no second copy is written); with
     `pipeline_from` (an SD3 folder) also the rest of a pipeline folder that StableDiffusion3Pipeline loads: its
     frozen parts linked (copied where links are not possible) and its scheduler with our sampling shift.
     -> bytes written."""
     transformer = os.path.join(folder, "transformer")
-    tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
-               for k, v in state.items()}
-    written = write_safetensors(os.path.join(transformer, DIFFUSERS_WEIGHTS), tensors, metadata={"format": "pt"})
+    written = 0
+    with atomic_path(os.path.join(transformer, DIFFUSERS_WEIGHTS)) as tmp:
+        os.remove(tmp)
+        try:
+            os.link(weights_file, tmp)
+        except OSError:  # no hard links here (another filesystem, some network mounts): a checked copy
+            shutil.copyfile(weights_file, tmp)
+            if sha256_of(tmp) != sha256_of(weights_file):
+                raise RuntimeError(f"{tmp}: a copy of {weights_file} reads back different") from None
+            written = os.path.getsize(tmp)
     model.config.save_json(os.path.join(transformer, "config.json"))
     if pipeline_from:
         link_pipeline_parts(folder, pipeline_from, shift)
-    return written["bytes"]
+    return written
 
 
 def link_pipeline_parts(folder, base, shift):
@@ -437,7 +448,7 @@ class FullModel:
         -> bytes written."""
         written = save_weights(self.stem, step, model, state, components.trained_state_dict(), record, dtype)
         if record["prediction"] == "v":
-            written += export_diffusers(self.stem, model, state, dtype,
+            written += export_diffusers(self.stem, model, step_file(self.stem, step, ".safetensors"),
                                         components.spec["path"] if self.export_pipeline else None,
                                         record["sampling"]["shift"])
         return written
@@ -457,7 +468,6 @@ def load_start_weights(args):
     if args.from_weight == "base":
         if not args.base:
             raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
-        check_sd3_base(args.base)
         model, components, record = load_diffusers_weights(args.base, base=args.base)
     else:
         source = run_name(args.from_weight, args.preset) if args.from_weight in WEIGHT_STAGES else args.from_weight
@@ -481,7 +491,7 @@ def weights_identity(record, out_dir):
         manifest = os.path.basename(manifest)
     if "weight_files" in record:  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
         return {"weights": manifest, "step": record["step"],
-                "sha256": digest([sha256_of(path) for path in record["weight_files"]])}
+                "sha256": json_digest([sha256_of(path) for path in record["weight_files"]])}
     transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))
     return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
 
@@ -802,21 +812,11 @@ def check_resume(state, args, stage, dataset_size, identity=None):
 # Data: image sizes, buckets, and the cache of latents and text embeddings
 
 
-def check_sd3_base(path):
-    try:
-        check_sd3_folder(path)
-    except ComponentsError as e:
-        raise UserError(str(e)) from None
-
-
 def make_components(args, info):
     """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones."""
     if not args.base:
         return BuiltinComponents(GRAMMAR_WORDS)
-    try:
-        return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
-    except ComponentsError as e:
-        raise UserError(str(e)) from None
+    return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
 
 
 def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
@@ -830,20 +830,6 @@ def training_dataset(args, components, patch_size, log, data=None, num_samples=N
         sizes = bucket_sizes(args.resolution, components.downscale * patch_size, count=count)
     return build_dataset(data, args.resolution, num_samples=num_samples or args.num_samples, seed=args.seed, log=log,
                          buckets=sizes)
-
-
-def bucket_layout(dataset, resolution):
-    """-> (bucket of each sample, bucket sizes): the image size every sample comes at. Squares of the resolution
-    for unbucketed data; the parts of a concatenation (LoRA's prior data) share buckets of the same size."""
-    sizes, bucket_of = [], []
-    for part in dataset.datasets if isinstance(dataset, torch.utils.data.ConcatDataset) else [dataset]:
-        part_sizes = [tuple(size) for size in (getattr(part, "bucket_sizes", None) or [(resolution, resolution)])]
-        for size in part_sizes:
-            if size not in sizes:
-                sizes.append(size)
-        part_of = getattr(part, "bucket_of", None) or [0] * len(part)
-        bucket_of += [sizes.index(part_sizes[b]) for b in part_of]
-    return bucket_of, sizes
 
 
 def check_image_sizes(args, model, components, sizes):
@@ -862,11 +848,6 @@ def check_image_sizes(args, model, components, sizes):
             raise UserError(f"{what}: {e}") from None
 
 
-def digest(obj):
-    """A short stable hash of a JSON-able object."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()[:16]
-
-
 def data_fingerprint(dataset, resolution):
     """Everything about the data that changes the cached features: the files (path, size, mtime), the captions,
     the image sizes. Several datasets (LoRA's prior data) are listed part by part."""
@@ -879,11 +860,10 @@ def data_fingerprint(dataset, resolution):
         for path, _ in dataset.items:
             stat = os.stat(path)
             files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
-        return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": digest(files),
-                "captions": digest([caption for _, caption in dataset.items]), "sizes": sizes,
-                "buckets": digest(list(getattr(dataset, "bucket_of", [])))}
+        return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": json_digest(files),
+                "captions": json_digest([caption for _, caption in dataset.items]), "sizes": sizes}
     return {"data": f"builtin:{dataset.split}:{','.join(dataset.colors)}", "count": len(dataset),
-            "generator": digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
+            "generator": json_digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
 
 
 def cache_folder(cache_dir, dataset, fingerprint, components):
@@ -892,7 +872,7 @@ def cache_folder(cache_dir, dataset, fingerprint, components):
     source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else dataset
     name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
     sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
-    key = digest([sources, components.spec.get("kind"), components.spec.get("path")])
+    key = json_digest([sources, components.spec.get("kind"), components.spec.get("path")])[:16]
     return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
 
 
@@ -900,7 +880,7 @@ def cached_dataset(args, dataset, components, info, log):
     """Encode every sample once (split across ranks, resumable) and return the cache, read memory-mapped; its
     items are feature dicts (components.encode), in the order of `dataset`'s samples."""
     fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
-                   "components": digest(components.identity())}
+                   "components": json_digest(components.identity())}
 
     def encode(indices):
         items = [dataset[i] for i in indices]
