@@ -19,8 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.bench_model import machine_name  # noqa: E402
 from model.file_io import atomic_path  # noqa: E402
 from model.model_sd3light import SD3Light, count_parameters, preset_config  # noqa: E402
-from trainer.checkpoint import checkpoint_file, load_torch, read_manifest, save_checkpoint  # noqa: E402
-from trainer.trainer_utils import EMA, save_weights  # noqa: E402
+from model.checkpoint import checkpoint_file, load_torch, read_manifest, save_checkpoint  # noqa: E402
+from model.weights import save_weights  # noqa: E402
 
 
 def timed(fn, repeats):
@@ -44,9 +44,9 @@ def main():
     for p in model.parameters():  # one step, so the optimizer holds its moments as during training
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    ema = EMA(model.state_dict(), 0.995)
+    ema = {k: v.detach().float().clone() for k, v in model.state_dict().items()}  # what an EMA holds: an fp32 copy
     resume = {"kind": "resume", "step": 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-              "ema": ema.shadow, "rng": [{"train": torch.Generator().get_state(), "torch": torch.get_rng_state()}]}
+              "ema": ema, "rng": [{"train": torch.Generator().get_state(), "torch": torch.get_rng_state()}]}
     record = {"stage": "bench", "preset": args.preset, "transformer": model.config.to_dict()}
 
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
@@ -60,7 +60,7 @@ def main():
         plain = timed(plain_save, args.repeats)
         verified_resume = timed(lambda: save_checkpoint(stem + "_resume", next(step), {"kind": "resume"},
                                                         {".pt": resume}), args.repeats)
-        weights = timed(lambda: save_weights(stem, next(step), model, ema.shadow, {}, record, torch.bfloat16),
+        weights = timed(lambda: save_weights(stem, next(step), model, ema, {}, record, torch.bfloat16),
                         args.repeats)
 
         def load():

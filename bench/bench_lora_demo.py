@@ -21,10 +21,9 @@ from eval.eval_geneval import TASKS, all_prompts, generate, prompt_set, score  #
 from eval.shape_scorer import COLOR_NAMES  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.model_lora import lora_parameters, set_lora_scale  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, REPO_ROOT, load_for_sampling, resolve_lora, run_main, sample_images, sampling_settings,
-    save_grid,
-)
+from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.weights import DEFAULT_OUT_DIR, REPO_ROOT, resolve_lora  # noqa: E402
 
 
 def main():

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from model.errors import UserError
 from model.file_io import atomic_write_text, json_digest, write_safetensors
 
 FORMAT = 1
@@ -34,7 +35,7 @@ SHARD_PATTERN = re.compile(r"shard_\d{5,}\.safetensors")
 TEMP_PATTERN = re.compile(r"\.tmp-(shard_\d{5,}\.safetensors|index\.json|building\.json)\..*")
 
 
-class CacheError(Exception):
+class CacheError(UserError):
     """A cache that cannot be built or read (wrong features from `encode`, a missing shard): the message is one
     line."""
 

@@ -8,6 +8,7 @@ image's shape.
 """
 import json
 import os
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from dataset.buckets import nearest_bucket
 from dataset.shapes import ShapesDataset, image_to_tensor
+from model.errors import UserError
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")  # matched case-insensitively
 SKIP_REASONS = ("missing", "zero-byte", "truncated", "unreadable")  # the order they are listed in the summary
@@ -29,7 +31,7 @@ LOOKED_FOR = f"looked recursively for {', '.join(IMAGE_EXTENSIONS)} files (any l
 HOW_TO = "pass a folder of images with same-name .txt captions, a .jsonl manifest, or 'builtin'"
 
 
-class DatasetError(Exception):
+class DatasetError(UserError):
     """A problem with the user's data. The message is one line: what was looked for and what to do."""
 
 
@@ -114,13 +116,14 @@ def clean_caption(text):
 
 
 def find_images(root):
-    """(image path, caption) for every image under root, sorted; the caption is the same-name .txt or ""."""
-    paths = []
+    """-> ((image path, caption) for every image under root, sorted, the caption being the same-name .txt or "";
+    {kind: count} of the files passed over: other file types by extension, captions without an image)."""
+    paths, others = [], []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ... hold no data
         # Dot-files are skipped too: macOS "._name.png" resource forks look like images but are not.
-        paths += [os.path.join(folder, f) for f in files
-                  if not f.startswith(".") and f.lower().endswith(IMAGE_EXTENSIONS)]
+        for name in (f for f in files if not f.startswith(".")):
+            (paths if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(os.path.join(folder, name))
     items = []
     for path in sorted(paths):
         caption_path = os.path.splitext(path)[0] + ".txt"
@@ -129,10 +132,27 @@ def find_images(root):
             with open(caption_path, encoding="utf-8-sig", errors="replace") as f:
                 caption = clean_caption(f.read())
         items.append((path, caption))
-    return items
+    captions = {os.path.splitext(path)[0] + ".txt" for path in paths}
+    ignored = Counter(".txt without an image" if path.lower().endswith(".txt") else
+                      os.path.splitext(path)[1].lower() or "file without extension"
+                      for path in others if path not in captions)
+    return items, dict(sorted(ignored.items()))
 
 
-def read_manifest(path):
+def read_prompt_file(path):
+    """One prompt per non-empty line."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def describe_ignored(ignored):
+    """{kind: count} -> "2 .gif, 1 .txt without an image"."""
+    return ", ".join(f"{count} {kind}" for kind, count in ignored.items())
+
+
+def read_image_list(path):
     """(image path, caption) for each line {"image": ..., "caption": ...}; image paths are relative to the file."""
     root = os.path.dirname(os.path.abspath(path))
     items = []
@@ -166,7 +186,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     each image then comes out at the size whose aspect ratio is nearest its own.
 
     After construction: items (kept (path, caption) pairs), skipped (reason -> paths), uncaptioned (count of kept
-    images with an empty caption), summary (the line that was logged), bucket_sizes (the sizes; without buckets
+    images with an empty caption), ignored ({kind: count} of the folder's files that are not images or captions,
+    e.g. ".gif"), summary (the line that was logged), bucket_sizes (the sizes; without buckets
     the one square) and bucket_of (per item, the index of its size; without buckets all 0).
     """
 
@@ -181,12 +202,13 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             raise DatasetError(f"dataset path {path} does not exist: {HOW_TO}")
         if os.path.isdir(path):
             self.root = path
-            candidates = find_images(path)
+            candidates, self.ignored = find_images(path)
             if not candidates:
-                raise DatasetError(f"no images found in {path}: {LOOKED_FOR}; {HOW_TO}")
+                found = f" (found {describe_ignored(self.ignored)})" if self.ignored else ""
+                raise DatasetError(f"no images found in {path}{found}: {LOOKED_FOR}; {HOW_TO}")
         elif path.lower().endswith(".jsonl"):
             self.root = os.path.dirname(os.path.abspath(path))
-            candidates = read_manifest(path)
+            candidates, self.ignored = read_image_list(path), {}
             if not candidates:
                 raise DatasetError(f"manifest {path} lists no images: expected one line per image like "
                                    '{"image": "a.png", "caption": "..."}')
@@ -221,7 +243,11 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
                 parts.append(f"{len(paths)} {reason}: {', '.join(names)}{more}")
         n_skipped = sum(len(p) for p in self.skipped.values())
         skipped = f"{n_skipped} skipped" + (f" ({'; '.join(parts)})" if parts else "")
-        summary = f"dataset {self.path}: {len(self.items)} images, {skipped}, {self.uncaptioned} without caption"
+        ignored = ""
+        if self.ignored:
+            ignored = f", not read: {describe_ignored(self.ignored)} (images must be {', '.join(IMAGE_EXTENSIONS)})"
+        summary = (f"dataset {self.path}: {len(self.items)} images, {skipped}{ignored}, {self.uncaptioned} without "
+                   "caption")
         if self.bucketed and self.items:
             counts = [(size, self.bucket_of.count(i)) for i, size in enumerate(self.bucket_sizes)]
             summary += ", buckets " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in counts if n)

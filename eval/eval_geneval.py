@@ -25,16 +25,19 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not __package__:  # run as a script (imported as a module, the repo root is already importable)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import (  # noqa: E402
     COLORS, HELD_OUT_PAIRS, NUMBER_WORDS, POSITIONS, RELATIONS, SHAPES, SIZES, ShapesDataset, count_caption,
     image_to_tensor, relation_caption, single_caption,
 )
 from eval.shape_scorer import COLOR_NAMES, find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, load_for_sampling, run_main, sample_images, sampling_name, sampling_settings, save_grid, to_uint8,
+from eval.sampling import (  # noqa: E402
+    load_for_sampling, output_path, sample_images, sampling_settings, save_grid, to_uint8,
 )
+from model.errors import run_main  # noqa: E402
+from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
 TASKS = ("single_object", "two_objects", "counting", "colors", "position", "color_attr")
 PROMPT_KIND = {"single_object": "single", "colors": "single", "counting": "count", "two_objects": "relation",
@@ -192,12 +195,17 @@ def main():
     parser.add_argument("--shift", type=float, default=None)
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
-    parser.add_argument("--json", default=None, help="report path; default out/geneval_<weights>.json")
-    parser.add_argument("--failures", default=None, help="PNG of failed images; default out/samples/...")
+    parser.add_argument("--json", default=None, help="report path; default geneval_<weights>.json beside the "
+                        "weights (out/ for out/'s runs)")
+    parser.add_argument("--failures", default=None, help="PNG of failed images; default samples/... beside the "
+                        "weights")
     args = parser.parse_args()
 
     if args.ground_truth:
-        name, report = "ground_truth", {"resolution": args.resolution}
+        report = {"resolution": args.resolution}
+
+        def default_path(pattern):
+            return os.path.join(args.out_dir, pattern.format(name="ground_truth"))
         table, overall, failures = ground_truth_accuracy(args.prompts_per_task, args.seeds, args.resolution,
                                                          args.seed)
     else:
@@ -205,7 +213,9 @@ def main():
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
                                                                    args.lora_scale)
-        name = sampling_name(record, lora_record)
+        def default_path(pattern):  # beside the weights: runs of the same name elsewhere keep their own reports
+            return output_path(record, lora_record, args.out_dir, pattern)
+
         sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
         table, overall, failures = score(specs, generate(model, components, record, specs, args.seeds, sampling,
                                                          args.seed, args.batch_size))
@@ -219,11 +229,11 @@ def main():
     report.update(prompts_per_task=args.prompts_per_task, seeds=args.seeds, tasks=table, overall=overall,
                   failures=[{"task": s["task"], "split": s["split"], "caption": s["caption"], "seed": seed,
                              "found": found} for s, seed, found, _ in failures])
-    json_path = args.json or os.path.join(args.out_dir, f"geneval_{name}.json")
+    json_path = args.json or default_path("geneval_{name}.json")
     atomic_write_text(json_path, json.dumps(report, indent=1) + "\n")
     if failures:
         shown = failures[:48]
-        grid_path = args.failures or os.path.join(args.out_dir, "samples", f"geneval_{name}_failures.png")
+        grid_path = args.failures or default_path("samples/geneval_{name}_failures.png")
         images = torch.stack([image_to_tensor(Image.fromarray(img)) for *_, img in shown])
         save_grid(grid_path, images, [f"{s['task']}: {s['caption']}" for s, *_ in shown])
         print(f"{len(failures)} failures, the first {len(shown)} in {grid_path}; report {json_path}")

@@ -14,10 +14,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import DatasetError, build_dataset  # noqa: E402
+from dataset.image_folder import build_dataset  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
-from trainer.trainer_utils import DEFAULT_OUT_DIR, UserError, load_weights, run_main, run_name  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.weights import DEFAULT_OUT_DIR, load_weights, run_name  # noqa: E402
 
 SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
@@ -54,12 +55,9 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record = load_weights(args.weights, args.out_dir, device)
-    try:
-        # the held-out split is drawn from its own seed stream, so it never repeats a training sample
-        dataset = build_dataset(args.data, record["resolution"], split=args.split, num_samples=args.num_samples,
-                                seed=args.seed, log=lambda msg: None)
-    except DatasetError as e:
-        raise UserError(str(e)) from None
+    # the held-out split is drawn from its own seed stream, so it never repeats a training sample
+    dataset = build_dataset(args.data, record["resolution"], split=args.split, num_samples=args.num_samples,
+                            seed=args.seed, log=lambda msg: None)
     losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device,
                              record["prediction"], args.seed)
     mean = sum(losses.values()) / len(losses)

@@ -16,10 +16,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.trainer_utils import (  # noqa: E402
-    DEFAULT_OUT_DIR, UserError, load_for_sampling, read_prompt_file, run_main, sample_images, sampling_name,
-    sampling_settings, save_grid,
-)
+from dataset.image_folder import read_prompt_file  # noqa: E402
+from eval.sampling import load_for_sampling, output_path, sample_images, sampling_settings, save_grid  # noqa: E402
+from model.errors import UserError, run_main  # noqa: E402
+from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
 
 def main():
@@ -41,7 +41,8 @@ def main():
     parser.add_argument("--shift", type=float, default=None)
     parser.add_argument("--resolution", type=int, default=None, help="default: what the run trained at")
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
-    parser.add_argument("--out", default=None, help="PNG path; default out/samples/<weights>_eval.png")
+    parser.add_argument("--out", default=None, help="PNG path; default samples/<weights>_eval.png beside the "
+                        "weights (out/samples/ for out/'s runs)")
     args = parser.parse_args()
 
     prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
@@ -55,8 +56,8 @@ def main():
     images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
                            resolution=args.resolution or record["resolution"], device=device,
                            prediction=record["prediction"])
-    name = sampling_name(record, lora_record) + ("_merged" if args.merge and lora_record is not None else "")
-    out = args.out or os.path.join(args.out_dir, "samples", f"{name}_eval.png")
+    merged = "_merged" if args.merge and lora_record is not None else ""
+    out = args.out or output_path(record, lora_record, args.out_dir, f"samples/{{name}}{merged}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     lora = f" + LoRA {args.lora} x{args.lora_scale:g}{' merged' if args.merge else ''}" if args.lora else ""
     print(f"{len(all_prompts)} images ({sampling['steps']} steps, cfg {sampling['cfg']}, shift {sampling['shift']}) "

@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.errors import UserError
+
 
 class PixelAutoencoder(nn.Module):
     """Lossless 'autoencoder': space-to-depth by `factor` (RGB 32x32 -> 12 x 16x16 for factor 2)."""
@@ -166,7 +168,7 @@ def quiet_hub_libraries():
         library.utils.logging.disable_progress_bar()
 
 
-class ComponentsError(ValueError):
+class ComponentsError(UserError, ValueError):
     """A --base folder that cannot be used: the message is one line naming what is wrong."""
 
 
@@ -351,14 +353,21 @@ def drop_captions(tokens, pooled, drop):
     return tokens * keep[:, None, None], pooled * keep[:, None]
 
 
-def check_fits(components, config):
-    """The transformer preset must fit the components; a mismatch is a one-line error."""
-    pairs = [("in_channels", components.latent_channels, config.in_channels),
-             ("joint_attention_dim", components.joint_attention_dim, config.joint_attention_dim),
-             ("pooled_projection_dim", components.pooled_projection_dim, config.pooled_projection_dim)]
-    bad = [f"{name}={want} (model has {have})" for name, want, have in pairs if want != have]
+def transformer_widths(components):
+    """The transformer sizes that the components fix: the latent channels in and out, the width of the text
+    sequence and of the pooled text vector. A preset sets the rest (depth, width, heads, patch, position table)."""
+    return {"in_channels": components.latent_channels, "out_channels": components.latent_channels,
+            "joint_attention_dim": components.joint_attention_dim,
+            "pooled_projection_dim": components.pooled_projection_dim}
+
+
+def check_widths(components, config, where):
+    """Trained weights (`config`, from `where`) must fit the components exactly: a one-line ComponentsError naming
+    the widths that differ."""
+    bad = [f"{name} {getattr(config, name)} (components: {want})"
+           for name, want in transformer_widths(components).items() if getattr(config, name) != want]
     if bad:
-        raise ValueError("the model preset does not fit the components: they need " + ", ".join(bad))
+        raise ComponentsError(f"{where} does not fit the components ({components.spec['kind']}): " + ", ".join(bad))
 
 
 def build_components(spec, device="cpu"):

@@ -172,7 +172,7 @@ def config_from_metadata(metadata):
             "target_modules": list(adapter[FILE_PREFIX + "target_modules"])}
 
 
-def check_fits(own, state):
+def check_lora_fits(own, state):
     """Raise a ValueError naming the missing, unexpected and wrong-shape keys if `state` does not fit `own`."""
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" for k in own
@@ -186,10 +186,24 @@ def check_fits(own, state):
 def load_lora_state_dict(model, state):
     """Copy interchange-format adapters into a model that already has them; strict: every key must match."""
     own = lora_state_dict(model)
-    check_fits(own, state)
+    check_lora_fits(own, state)
     with torch.no_grad():
         for key, value in state.items():
             own[key].copy_(value)
+
+
+class LoRAWeights:
+    """A model's adapters seen as one module's weights: state_dict() in diffusers' names, load_state_dict() strict.
+    What the LoRA stage resumes and averages (EMA) instead of the whole, frozen model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def state_dict(self):
+        return lora_state_dict(self.model)
+
+    def load_state_dict(self, state):
+        load_lora_state_dict(self.model, state)
 
 
 def save_lora(model, path, record=None, state=None, dtype=None):
@@ -200,7 +214,7 @@ def save_lora(model, path, record=None, state=None, dtype=None):
     own = lora_state_dict(model)
     if state is None:
         state = own
-    check_fits(own, state)
+    check_lora_fits(own, state)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record))
 

@@ -127,10 +127,22 @@ PRESETS = {
 }
 
 
+# The sizes that connect the transformer to its components (VAE channels, text widths). A preset's own values for
+# them are the components it was made for; pretraining on other components takes theirs (components.py
+# transformer_widths), and the weights' config records them.
+WIDTH_FIELDS = ("in_channels", "out_channels", "joint_attention_dim", "pooled_projection_dim")
+
+
 def preset_config(name, **overrides):
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return SD3LightConfig(**{**PRESETS[name], **overrides})
+
+
+def preset_of(config):
+    """The name of the preset a config is (whatever its widths), or None."""
+    widths = {name: getattr(config, name) for name in WIDTH_FIELDS}
+    return next((name for name in PRESETS if preset_config(name, **widths).to_dict() == config.to_dict()), None)
 
 
 def count_parameters(config):

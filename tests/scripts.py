@@ -1,7 +1,11 @@
-"""Running the project's real scripts from tests: one thread per process, from the repo root."""
+"""Running the project's real scripts from tests: one thread per process, from the repo root; or a stage script's
+main() in the test's own process, with its data replaced or watched and its log collected."""
 import os
 import subprocess
 import sys
+
+import dataset.training_data
+from trainer.training_run import TrainingRun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -21,3 +25,13 @@ def run(args, torchrun=0, check=True):
         raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-3000:]}")
     return result
+
+
+def run_in_process(module, argv, monkeypatch, build_dataset=None):
+    """Run a stage script's main() here -> (what it returned, the messages it logged). `build_dataset`, if given,
+    replaces the builder of its datasets (dataset/image_folder.build_dataset's arguments)."""
+    messages = []
+    monkeypatch.setattr(TrainingRun, "log", lambda run, msg: messages.append(msg))
+    if build_dataset is not None:
+        monkeypatch.setattr(dataset.training_data, "build_dataset", build_dataset)
+    return module.main(list(argv)), messages

@@ -1,27 +1,24 @@
 """Full SFT and LoRA stages: they start from trained weights, resume exactly like pretraining, LoRA trains only
 its adapters, and the adapters sample the same merged or not."""
-import argparse
 import json
 import os
 import signal
-import sys
 
 import pytest
 import torch
 
+import dataset.training_data
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
-from model.components import BuiltinComponents
-from model.model_lora import apply_lora, lora_layers, read_lora_file
+import trainer.train_pretrain as train_pretrain
+from eval.sampling import load_for_sampling, sample_images
+from model import checkpoint
+from model.checkpoint import first_difference, load_safetensors, load_torch, read_manifest
+from model.errors import UserError
+from model.model_lora import lora_layers, read_lora_file
 from model.model_sd3light import SD3Light, preset_config
-from trainer import checkpoint, trainer_utils
-from trainer.checkpoint import first_difference, load_safetensors, load_torch, read_manifest
-from trainer.trainer_utils import (
-    DistInfo, UserError, add_training_args, load_for_sampling, sample_images, train,
-)
 
-from tests.scripts import run
+from tests.scripts import run, run_in_process
 from tests.test_model_sd3light import randomise
 
 QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
@@ -29,13 +26,12 @@ QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
 
 def pretrain_weights(out_dir, prediction="x", steps=2):
     """A briefly pretrained tiny model at out_dir/pretrain_tiny (what the fine-tune stages start from)."""
-    args = add_training_args(argparse.ArgumentParser()).parse_args(
-        ["--batch_size", "2", "--max_steps", str(steps), "--sample_interval", "0", *QUIET, "--prediction", prediction,
-         "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")])
-    torch.manual_seed(0)
-    model = randomise(SD3Light(preset_config("tiny")))  # like trained weights: no zero-initialised gates or output
-    train(args, "pretrain", model, BuiltinComponents(GRAMMAR_WORDS),
-          ShapesDataset("train", 8, 32), DistInfo(), lambda msg: None, ["a red circle"])
+    with pytest.MonkeyPatch.context() as patch:
+        # like trained weights: no zero-initialised gates or output
+        patch.setattr(train_pretrain, "SD3Light", lambda config, **kwargs: randomise(SD3Light(config, **kwargs)))
+        run_in_process(train_pretrain, ["--num_samples", "8", "--batch_size", "2", "--max_steps", str(steps),
+                                        "--sample_interval", "0", *QUIET, "--prediction", prediction,
+                                        "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")], patch)
     return os.path.join(str(out_dir), "pretrain_tiny.json")
 
 
@@ -74,11 +70,8 @@ class Fetching(torch.utils.data.Dataset):
 
 
 def run_stage(module, argv, monkeypatch, signal_at=None):
-    """Run a stage script's main() in this process (its datasets, which trainer_utils builds, wrapped to signal at
-    a fetch)."""
-    monkeypatch.setattr(trainer_utils, "build_dataset", SignalAt(signal_at).wrap(trainer_utils.build_dataset))
-    monkeypatch.setattr(sys, "argv", [module.__file__, *argv])
-    module.main()
+    """Run a stage script's main() in this process (its datasets wrapped to signal at a fetch)."""
+    run_in_process(module, argv, monkeypatch, SignalAt(signal_at).wrap(dataset.training_data.build_dataset))
 
 
 def final_state(run_dir, name, export):
@@ -138,19 +131,23 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
         assert len(whole["model"]) == len(SD3Light(preset_config("tiny")).state_dict())
 
 
-def test_lora_training_changes_only_the_adapters(tmp_path):
-    torch.manual_seed(0)
-    # no zero-initialised gates or output layer: gradients reach every layer at once
-    model, components = randomise(SD3Light(preset_config("tiny"))), BuiltinComponents(GRAMMAR_WORDS)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    apply_lora(model, "attention,ff", rank=4, alpha=8)
-    args = add_training_args(argparse.ArgumentParser()).parse_args(
-        ["--batch_size", "4", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", *QUIET,
-         "--learning_rate", "1e-2", "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")])
-    adapters = train_lora.LoRAAdapters(str(tmp_path / "out" / "lora" / "x.safetensors"), {"weights": "random"})
-    trained_params = [p for p in model.parameters() if p.requires_grad]
-    train(args, "lora", model, components, ShapesDataset("train", 16, 32), DistInfo(), lambda msg: None, ["a"],
-          trained=adapters)
+def test_lora_training_changes_only_the_adapters(tmp_path, base, monkeypatch):
+    seen = {}
+
+    def apply_and_watch(model, *args):  # the stage's model, as it was before and right after the adapters went on
+        seen["model"], seen["before"] = model, {k: v.clone() for k, v in model.state_dict().items()}
+        adapted = apply_lora(model, *args)
+        seen["trained"] = [p for p in model.parameters() if p.requires_grad]
+        return adapted
+
+    apply_lora = train_lora.apply_lora
+    monkeypatch.setattr(train_lora, "apply_lora", apply_and_watch)
+    run_stage(train_lora, ["--from_weight", base, "--num_samples", "16", "--prior_data", "none",
+                           "--lora_targets", "attention,ff", "--lora_rank", "4", "--lora_alpha", "8",
+                           "--batch_size", "4", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0",
+                           *QUIET, "--learning_rate", "1e-2", "--out_dir", str(tmp_path / "out"),
+                           "--save_dir", str(tmp_path / "ckpt")], monkeypatch)
+    model, before, trained_params = seen["model"], seen["before"], seen["trained"]
     after = model.state_dict()
     assert {k for k in after if k not in before} == {k for k in after if ".lora_" in k}
     for key, value in before.items():  # every base weight and buffer, bit for bit
@@ -217,11 +214,9 @@ def test_lora_names_and_missing_lora_files_are_one_line_errors(tmp_path, base, m
         load_for_sampling(None, str(tmp_path), "cpu", lora="nothing")
 
 
-def test_a_resolution_beyond_the_position_table_is_a_one_line_error(tmp_path):
-    args = add_training_args(argparse.ArgumentParser()).parse_args(
-        ["--resolution", "160", "--batch_size", "2", "--max_steps", "1", "--out_dir", str(tmp_path / "out"),
-         "--save_dir", str(tmp_path / "ckpt")])
+def test_a_resolution_beyond_the_position_table_is_a_one_line_error(tmp_path, base, monkeypatch):
     with pytest.raises(UserError, match="--resolution 160: latent grid 40x40 patches exceeds the position table"):
-        train(args, "sft", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS),
-              ShapesDataset("train", 4, 160), DistInfo(), lambda msg: None, ["a"])
+        run_stage(train_full_sft, ["--from_weight", base, "--resolution", "160", "--num_samples", "4",
+                                   "--batch_size", "2", "--max_steps", "1", "--out_dir", str(tmp_path / "out"),
+                                   "--save_dir", str(tmp_path / "ckpt")], monkeypatch)
     assert not os.path.exists(tmp_path / "out" / "sft_tiny.json")

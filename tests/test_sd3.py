@@ -8,14 +8,18 @@ import pytest
 import torch
 from PIL import Image
 
-from model.components import SD3Components
+import dataset.training_data
 import trainer.train_pretrain as train_pretrain
-from tests.scripts import run
+from eval.sampling import load_for_sampling, sample_images
+from model import checkpoint
+from model.checkpoint import first_difference, load_safetensors, read_manifest
+from model.components import SD3Components
+from model.errors import UserError
+from model.weights import load_weights
+import trainer.train_full_sft as train_full_sft
+from tests.scripts import run, run_in_process
 from tests.test_finetune import SignalAt, final_state
 from tests.tiny_sd3 import build_folder
-from trainer import checkpoint, trainer_utils
-from trainer.checkpoint import first_difference, load_safetensors, read_manifest
-from trainer.trainer_utils import UserError, load_for_sampling, load_weights, sample_images
 
 FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
         "--preset", "sd3-tiny", "--resolution", "32"]
@@ -131,7 +135,6 @@ def test_a_bad_base_folder_is_a_one_line_error(tmp_path, sd3):
         os.symlink(os.path.join(sd3, part), broken / part)
     cases = [
         (["--base", str(broken), "--preset", "sd3-tiny"], "lacks vae/"),
-        (["--base", sd3, "--preset", "tiny"], "in_channels=16"),  # the built-in presets' sizes do not fit SD3's
         (["--base", str(tmp_path / "nowhere"), "--preset", "sd3-tiny"], "is not a folder"),
     ]
     for extra, expected in cases:
@@ -174,7 +177,8 @@ def test_a_cached_bucketed_run_on_sd3_components_stops_and_resumes_bitwise_exact
 
     def run_pretrain(run_dir, *extra, signal_at=None):
         # the signal comes at a fetch from the cache (the training data), not while the cache is built
-        monkeypatch.setattr(trainer_utils, "build_cache", SignalAt(signal_at).wrap(trainer_utils.build_cache))
+        monkeypatch.setattr(dataset.training_data, "build_cache",
+                            SignalAt(signal_at).wrap(dataset.training_data.build_cache))
         monkeypatch.setattr("sys.argv", argv(run_dir, *extra))
         train_pretrain.main()
 
@@ -207,3 +211,24 @@ def test_the_cache_is_built_by_every_process_under_torchrun(tmp_path, sd3):
     index = json.loads(next((tmp_path / "cache").glob("*/index.json")).read_text())
     assert [shard["count"] for shard in index["shards"]] == [256, 44]
     assert "reusing 300 samples in 2 shards" in run(args).stdout
+
+
+def test_a_preset_sets_the_size_and_the_components_set_the_widths(tmp_path, sd3, monkeypatch):
+    """Any preset pretrains on any components (here the built-in presets on SD3's, and on an SD3-style folder with a
+    4-channel VAE): its channels and text widths come from the components and are recorded. Weights whose widths do
+    not fit the components they are fine-tuned on are a one-line error."""
+    four = build_folder(str(tmp_path / "four-channel"), with_t5=False, latent_channels=4)
+    for base, channels in ((sd3, 16), (four, 4)):
+        out = tmp_path / f"out{channels}"
+        run_in_process(train_pretrain, ["--base", base, "--preset", "tiny", *FAST[:-4], "--num_samples", "8",
+                                        "--out_dir", str(out), "--save_dir", str(out), "--cache_dir",
+                                        str(tmp_path / "cache")], monkeypatch)
+        record = json.loads((out / "pretrain_tiny.json").read_text())
+        widths = {k: record["transformer"][k] for k in ("in_channels", "out_channels", "pooled_projection_dim")}
+        assert record["preset"] == "tiny" and record["transformer"]["num_layers"] == 6
+        assert widths == {"in_channels": channels, "out_channels": channels, "pooled_projection_dim": 2048}
+    with pytest.raises(UserError, match=r"does not fit the components \(sd3\): in_channels 16 \(components: 4\)") \
+            as error:
+        run_in_process(train_full_sft, ["--base", four, "--from_weight", str(tmp_path / "out16" / "pretrain_tiny.json"),
+                                        "--max_steps", "1", "--out_dir", str(tmp_path / "sft")], monkeypatch)
+    assert "\n" not in str(error.value)

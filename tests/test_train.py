@@ -10,11 +10,13 @@ from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
-from trainer.trainer_utils import (
-    EMA, BucketSampler, EpochSampler, add_training_args, flow_matching_loss, lr_at,
-)
+import trainer.train_pretrain as train_pretrain
+from dataset.samplers import BucketSampler, EpochSampler
+from model.errors import UserError
+from trainer.flow_matching import flow_matching_loss
+from trainer.trainer_utils import EMA, lr_at
 
-from tests.scripts import run
+from tests.scripts import run, run_in_process
 
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
              "--sample_interval", "0", "--sample_steps", "2"]
@@ -42,7 +44,7 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
     assert record["step"] == 4 and record["transformer"]["num_layers"] == 6 and record["ema"]
     assert record["prediction"] == "x"  # the default; sampling and held-out loss read it from here
 
-    # a longer run than planned is a recipe change: allowed with --force_resume
+    # resumed to run longer (--force_resume is no longer needed for that, and changes nothing here)
     resumed = run(common + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1", "--force_resume", "1"],
                   torchrun=2)
     assert "at step 4" in resumed.stdout + resumed.stderr
@@ -118,12 +120,12 @@ def test_loss_falls_when_overfitting_a_fixed_batch():
     data = ShapesDataset("train", 8, 32)
     items = [data[i] for i in range(8)]
     batch = {"image": torch.stack([it["image"] for it in items]), "caption": [it["caption"] for it in items]}
-    args = add_training_args(__import__("argparse").ArgumentParser()).parse_args(["--caption_dropout", "0"])
+    args = train_pretrain.parse_args(["--caption_dropout", "0", "--prediction", "x"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []
     for step in range(80):
         generator = torch.Generator().manual_seed(step % 4)  # the same few noise draws again and again
-        loss = flow_matching_loss(model, components, batch, generator, args, torch.device("cpu"), None)
+        loss = flow_matching_loss(model, components, batch, generator, args)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -229,24 +231,21 @@ class NaNImages(torch.utils.data.Dataset):
         value = float("nan") if i in self.bad else 0.5
         return {"image": torch.full((3, 32, 32), value), "caption": "a large red circle in the center"}
 
+    def sample_prompts(self):
+        return ["a red circle"]
 
-def _train_tiny(tmp_path, dataset, steps):
-    import argparse
 
-    from model.model_sd3light import preset_config
-    from trainer.trainer_utils import DistInfo, train
-
-    args = add_training_args(argparse.ArgumentParser()).parse_args([
+def _train_tiny(tmp_path, dataset, steps, monkeypatch):
+    _, messages = run_in_process(train_pretrain, [
         "--batch_size", "4", "--max_steps", str(steps), "--save_interval", "100", "--sample_interval", "0",
-        "--sample_steps", "1", "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")])
-    messages = []
-    train(args, "pretrain", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS), dataset, DistInfo(),
-          lambda msg: messages.append(msg), ["a red circle"])
+        "--sample_steps", "1", "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")],
+        monkeypatch, build_dataset=lambda *args, **kwargs: dataset)
     return messages
 
 
-def test_nan_steps_are_skipped_and_the_run_still_saves(tmp_path):
-    messages = _train_tiny(tmp_path, NaNImages(16, bad=[3]), steps=8)  # one batch in four holds the NaN image
+def test_nan_steps_are_skipped_and_the_run_still_saves(tmp_path, monkeypatch):
+    # one batch in four holds the NaN image
+    messages = _train_tiny(tmp_path, NaNImages(16, bad=[3]), steps=8, monkeypatch=monkeypatch)
     skipped = [m for m in messages if "update skipped" in m]
     assert 1 <= len(skipped) < 8
     assert json.load(open(tmp_path / "out" / "pretrain_tiny.json"))["step"] == 8
@@ -254,42 +253,33 @@ def test_nan_steps_are_skipped_and_the_run_still_saves(tmp_path):
     assert len(rows) == 8 - len(skipped) and all(r["loss"] == r["loss"] for r in rows)  # no NaN logged
 
 
-def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path):
-    from trainer.trainer_utils import UserError
-
+def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not finite for 10 steps in a row"):
-        _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20)
+        _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20, monkeypatch=monkeypatch)
 
 
 def test_ema_decay_warms_up_then_holds():
     """Early updates follow the weights closely ((1 + step) / (10 + step)); later ones use the set decay."""
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
-    ema = EMA(model.state_dict(), decay=0.99)
+    ema = EMA(model, decay=0.99)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    ema.update(model.state_dict(), step=1)  # decay 2/11: the shadow moves 9/11 of the way
+    ema.update(step=1)  # decay 2/11: the shadow moves 9/11 of the way
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11))
-    ema.update(model.state_dict(), step=10_000)  # decay capped at 0.99
+    ema.update(step=10_000)  # decay capped at 0.99
     assert torch.allclose(ema.shadow["weight"], torch.full((1, 2), 9 / 11 + (2 / 11) * 0.01))
 
 
-def test_built_in_components_train_the_same_from_the_cache(tmp_path):
+def test_built_in_components_train_the_same_from_the_cache(tmp_path, monkeypatch):
     """The built-in data and components go through the same cache code as SD3's (--cache 1): same losses."""
-    import argparse
-
-    from model.model_sd3light import preset_config
-    from trainer.trainer_utils import DistInfo, train
-
     losses = {}
     for cache in ("0", "1"):
         run_dir = tmp_path / cache
-        args = add_training_args(argparse.ArgumentParser()).parse_args([
-            "--batch_size", "4", "--max_steps", "4", "--sample_interval", "0", "--sample_steps", "1", "--cache", cache,
-            "--out_dir", str(run_dir / "out"), "--save_dir", str(run_dir / "ckpt"), "--cache_dir", str(run_dir / "c")])
-        torch.manual_seed(0)
-        train(args, "pretrain", SD3Light(preset_config("tiny")), BuiltinComponents(GRAMMAR_WORDS),
-              ShapesDataset("train", 16, 32), DistInfo(), lambda msg: None, ["a red circle"])
+        run_in_process(train_pretrain, [
+            "--num_samples", "16", "--batch_size", "4", "--max_steps", "4", "--sample_interval", "0",
+            "--sample_steps", "1", "--cache", cache, "--out_dir", str(run_dir / "out"), "--save_dir",
+            str(run_dir / "ckpt"), "--cache_dir", str(run_dir / "c")], monkeypatch)
         losses[cache] = [row["loss"] for row in map(json.loads, open(run_dir / "out" / "pretrain_tiny_metrics.jsonl"))]
     assert len(list((tmp_path / "1" / "c").glob("*/index.json"))) == 1 and not (tmp_path / "0" / "c").exists()
     assert len(losses["1"]) == 4 and losses["1"] == pytest.approx(losses["0"], rel=1e-5)

@@ -62,8 +62,9 @@ def t5_tokenizer():
                                    unk_token="<unk>")
 
 
-def build_pipeline(seed=0, with_t5=True, transformer_preset="sd3-tiny"):
-    """-> a StableDiffusion3Pipeline with random weights (deterministic in `seed`), on the CPU in fp32."""
+def build_pipeline(seed=0, with_t5=True, transformer_preset="sd3-tiny", latent_channels=16):
+    """-> a StableDiffusion3Pipeline with random weights (deterministic in `seed`), on the CPU in fp32.
+    `latent_channels`: SD3's 16, or another VAE's (e.g. 4, an SD3-style folder that no SD3 preset fits)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, \
         StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -90,9 +91,11 @@ def build_pipeline(seed=0, with_t5=True, transformer_preset="sd3-tiny"):
     # SD3's VAE layout (16 latent channels, no quant convs, its scaling and shift) at 4x downscaling
     parts["vae"] = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
                                  up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(8, 8, 16),
-                                 layers_per_block=1, latent_channels=16, norm_num_groups=4, scaling_factor=1.5305,
+                                 layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4,
+                                 scaling_factor=1.5305,
                                  shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False).eval()
-    parts["transformer"] = SD3Transformer2DModel(**preset_config(transformer_preset).to_dict()).eval()
+    config = preset_config(transformer_preset, in_channels=latent_channels, out_channels=latent_channels)
+    parts["transformer"] = SD3Transformer2DModel(**config.to_dict()).eval()
     with torch.no_grad():  # diffusers zero-initialises the output layers: give them weights so the model does something
         for p in parts["transformer"].parameters():
             if p.abs().sum() == 0:
@@ -101,9 +104,9 @@ def build_pipeline(seed=0, with_t5=True, transformer_preset="sd3-tiny"):
     return StableDiffusion3Pipeline(**parts)
 
 
-def build_folder(folder, seed=0, with_t5=True, transformer_preset="sd3-tiny"):
+def build_folder(folder, seed=0, with_t5=True, transformer_preset="sd3-tiny", latent_channels=16):
     """Write a tiny SD3 pipeline folder (as save_pretrained writes it); -> folder."""
-    build_pipeline(seed, with_t5, transformer_preset).save_pretrained(folder)
+    build_pipeline(seed, with_t5, transformer_preset, latent_channels).save_pretrained(folder)
     return folder
 
 

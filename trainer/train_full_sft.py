@@ -5,46 +5,125 @@
     python trainer/train_full_sft.py --from_weight path/to/weights.json --preset small
     python trainer/train_full_sft.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
 
-Starts from `--from_weight` (a stage name in --out_dir, or a weights path; its preset must be --preset, and
-its prediction and components are kept). Writes out/sft_<preset>.json and the files it names, sample grids in
-out/samples/ (step 0 shows the starting weights), metrics in out/sft_<preset>_metrics.jsonl and the resume
-checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+The recipe: the pretraining loss (trainer/flow_matching.py) from `--from_weight` (a stage name in --out_dir, or a
+weights path; its preset must be --preset, and its prediction and components are kept), AdamW at a tenth of
+pretraining's rate (1e-4) with 20 warmup steps and a cosine decay, one pass over 8,000 built-in samples in steps of
+16 (500 steps), an EMA of the weights, saved every 200 steps and at the end. Writes out/sft_<preset>.json and the
+files it names, sample grids in out/samples/ (step 0 shows the starting weights), metrics in
+out/sft_<preset>_metrics.jsonl and the resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM
+or Ctrl-C; continue with --from_resume 1.
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import DatasetError  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, add_training_args, init_distributed, load_start_weights, run_main, sample_prompts_for, train,
-    training_dataset,
+from dataset.training_data import (  # noqa: E402
+    check_image_sizes, features_to_train_on, sample_prompts_for, training_dataset,
 )
+from model.checkpoint import manifest_path  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.model_sd3light import PRESETS  # noqa: E402
+from model.rectified_flow import PREDICTIONS  # noqa: E402
+from model.weights import check_pipeline_export, export_weights, load_start_weights, run_name  # noqa: E402
+from trainer.arguments import (  # noqa: E402
+    SAVE_DTYPES, StageParser, add_plumbing_args, decay, finite_float, non_negative_float, non_negative_int,
+    positive_float, positive_int, probability,
+)
+from trainer.flow_matching import flow_matching_loss  # noqa: E402
+from trainer.trainer_utils import EMA, ddp, init_distributed  # noqa: E402
+from trainer.training_run import TrainingRun  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Fine-tuning defaults: a tenth of the pretraining learning rate, a short warmup, one pass over 8,000 samples
-    # (500 steps, about two CPU minutes for the tiny model). The prediction comes from the weights.
-    add_training_args(parser, learning_rate=1e-4, warmup_steps=20, epochs=1, num_samples=8000, prediction=None)
-    parser.add_argument("--from_weight", default="pretrain",
-                        help="weights to start from: a stage name in --out_dir ('pretrain' = pretrain_<preset>), "
-                        "the path of a weights manifest or of a diffusers folder, or 'base' = --base's transformer")
-    args = parser.parse_args()
+def parse_args(argv=None):
+    parser = StageParser(__doc__)
+    run, recipe, length, free = parser.identity, parser.recipe, parser.length, parser.free
+    run.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the size of the weights to start from")
+    run.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
+                     "square, or the area of the aspect-ratio buckets")
+    run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the weights predict "
+                     "(leave it unset: it is read from them)")
+    recipe.add_argument("--from_weight", default="pretrain", help="weights to start from: a stage name in --out_dir "
+                        "('pretrain' = pretrain_<preset>), the path of a weights manifest or of a diffusers folder, "
+                        "or 'base' = --base's transformer")
+    recipe.add_argument("--num_samples", type=positive_int, default=8000, help="size of the built-in dataset")
+    recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
+    recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
+    recipe.add_argument("--learning_rate", type=positive_float, default=1e-4)
+    recipe.add_argument("--warmup_steps", type=non_negative_int, default=20)
+    recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="cosine decays to this fraction")
+    recipe.add_argument("--weight_decay", type=non_negative_float, default=0.0)
+    recipe.add_argument("--grad_clip", type=positive_float, default=1.0, help="max gradient norm")
+    recipe.add_argument("--ema_decay", type=decay, default=0.995, help="EMA of the weights, exported and sampled; "
+                        "0 = none")
+    recipe.add_argument("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
+    recipe.add_argument("--logit_mean", type=finite_float, default=0.0)
+    recipe.add_argument("--logit_std", type=positive_float, default=1.0)
+    recipe.add_argument("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
+    recipe.add_argument("--loss", default="mse", choices=["mse", "huber"])
+    recipe.add_argument("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
+    recipe.add_argument("--caption_dropout", type=probability, default=0.1, help="probability of training a sample "
+                        "unconditionally")
+    recipe.add_argument("--seed", type=non_negative_int, default=0)
+    length.add_argument("--epochs", type=positive_int, default=1)
+    length.add_argument("--max_steps", type=non_negative_int, default=0, help="optimizer steps; 0 = run --epochs")
+    free.add_argument("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
+    free.add_argument("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")
+    free.add_argument("--sample_shift", type=positive_float, default=3.0)
+    free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
+                      "pipeline folder (needs --base and v-prediction); out/<run>/transformer/ is always written "
+                      "for v-prediction")
+    add_plumbing_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     info = init_distributed()
-    log = Logger(info)
+    run = TrainingRun(args, info, "sft", run_name("sft", args.preset))
     torch.manual_seed(args.seed)
 
-    model, components, record = load_start_weights(args)
-    log(f"starting from {record['manifest']} (step {record['step']}, predicts {record['prediction']})")
-    try:
-        dataset = training_dataset(args, components, model.config.patch_size, log)
-        prompts = sample_prompts_for(dataset, args.sample_prompts)
-    except (ValueError, DatasetError) as e:
-        raise UserError(str(e)) from None
-    train(args, "sft", model, components, dataset, info, log, prompts, sample_first=True)
+    # The starting weights (their prediction and components are kept), and the data
+    model, components, start = load_start_weights(args.from_weight, args.preset, args.prediction, args.out_dir,
+                                                   args.base)
+    args.prediction = start["prediction"]
+    run.log(f"starting from {start['manifest']} (step {start['step']}, predicts {start['prediction']})")
+    dataset = training_dataset(args, components, model.config.patch_size, run.log)
+    prompts = sample_prompts_for(dataset, args.sample_prompts)
+    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    model.to(info.device).train()
+    components.to(info.device)
+    check_image_sizes(args.resolution, dataset, model.config, components)
+    if args.export_pipeline:
+        check_pipeline_export(components, args.prediction)
+    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
+    if dataset is None:  # --cache_only: the cache is built
+        return
+
+    # Every weight trains, with AdamW (fused: one kernel for all parameters); the EMA starts at the weights
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    stem = os.path.join(args.out_dir, run.name)
+
+    def export(step):  # the EMA weights (else the raw ones), a diffusers folder for v, what they came from
+        record = run.weights_record(model.config, components, started_from={"weights": start["manifest"],
+                                                                            "step": start["step"]})
+        return export_weights(stem, step, model, (ema or model).state_dict(), components, record,
+                              SAVE_DTYPES[args.save_dtype], args.export_pipeline)
+
+    def sample_model():
+        return ema.averaged_copy(model) if ema else model
+
+    train_model = ddp(model, info)
+    run.start(dataset, components, prompts, manifest_path(stem), first_grid=sample_model, model=model,
+              optimizer=optimizer, ema=ema)  # a fresh run's first grid shows the starting weights
+    for batches in run.steps(train_model):
+        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
+        loss = run.backward(batches, lambda b: flow_matching_loss(train_model, components, b, run.generator, args))
+        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)
+        run.end_step(export, sample_model, loss=loss, lr=lr, grad_norm=grad_norm)
 
 
 if __name__ == "__main__":

@@ -5,47 +5,121 @@
     python trainer/train_pretrain.py --data my_images/ --resolution 64 --preset small
     python trainer/train_pretrain.py --base /models/sd3-medium --preset base --data my_images/ --resolution 256
 
-Writes out/pretrain_<preset>.json and the files it names (weights for sampling and fine-tuning; a v-prediction
-model also as a diffusers transformer in out/pretrain_<preset>/transformer/), sample grids in out/samples/,
-metrics in out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json
-(+ its file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+The recipe: the flow-matching loss (trainer/flow_matching.py) on logit-normal sigmas with 10% caption dropout,
+AdamW at 1e-3 with 100 warmup steps and a cosine decay to a tenth, 4 epochs of the 20,000 built-in samples in
+steps of 16, an EMA of the weights (0.995), saved every 200 steps and at the end. Writes out/pretrain_<preset>.json
+and the files it names (weights for sampling and fine-tuning; a v-prediction model also as a diffusers transformer
+in out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in
+out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its
+file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 """
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import DatasetError  # noqa: E402
-from model.components import check_fits  # noqa: E402
-from model.model_sd3light import SD3Light, preset_config  # noqa: E402
-from trainer.trainer_utils import (  # noqa: E402
-    Logger, UserError, add_training_args, init_distributed, make_components, run_main, sample_prompts_for, train,
-    training_dataset,
+from dataset.training_data import (  # noqa: E402
+    check_image_sizes, features_to_train_on, make_components, sample_prompts_for, training_dataset,
 )
+from model.checkpoint import manifest_path  # noqa: E402
+from model.components import transformer_widths  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
+from model.rectified_flow import PREDICTIONS  # noqa: E402
+from model.weights import check_pipeline_export, export_weights, run_name  # noqa: E402
+from trainer.arguments import (  # noqa: E402
+    SAVE_DTYPES, StageParser, add_plumbing_args, decay, finite_float, non_negative_float, non_negative_int,
+    positive_float, positive_int, probability,
+)
+from trainer.flow_matching import flow_matching_loss  # noqa: E402
+from trainer.trainer_utils import EMA, ddp, init_distributed  # noqa: E402
+from trainer.training_run import TrainingRun  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    # pretraining uses the shared defaults (trainer_utils.add_training_args); the prediction defaults to x on the
-    # built-in pixel-space components and to v (SD3's own, what diffusers samples) on SD3 components
-    add_training_args(parser, prediction=None)
-    args = parser.parse_args()
+def parse_args(argv=None):
+    parser = StageParser(__doc__)
+    run, recipe, length, free = parser.identity, parser.recipe, parser.length, parser.free
+    run.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the transformer's size (python -m "
+                     "model.model_sd3light); its channels and text widths are the components'")
+    run.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
+                     "square, or the area of the aspect-ratio buckets")
+    run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="what the transformer outputs: x = "
+                     "the clean latent (cleaner images, steadier shapes in pixel space: the default on the built-in "
+                     "components), v = the velocity (SD3's own, what diffusers samples: the default with --base)")
+    recipe.add_argument("--num_samples", type=positive_int, default=20000, help="size of the built-in dataset")
+    recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
+    recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
+    recipe.add_argument("--learning_rate", type=positive_float, default=1e-3)
+    recipe.add_argument("--warmup_steps", type=non_negative_int, default=100)
+    recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="cosine decays to this fraction")
+    recipe.add_argument("--weight_decay", type=non_negative_float, default=0.0)
+    recipe.add_argument("--grad_clip", type=positive_float, default=1.0, help="max gradient norm")
+    recipe.add_argument("--ema_decay", type=decay, default=0.995, help="EMA of the weights, exported and sampled; "
+                        "0 = none")
+    recipe.add_argument("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
+    recipe.add_argument("--logit_mean", type=finite_float, default=0.0)
+    recipe.add_argument("--logit_std", type=positive_float, default=1.0)
+    recipe.add_argument("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
+    recipe.add_argument("--loss", default="mse", choices=["mse", "huber"])
+    recipe.add_argument("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
+    recipe.add_argument("--caption_dropout", type=probability, default=0.1, help="probability of training a sample "
+                        "unconditionally")
+    recipe.add_argument("--seed", type=non_negative_int, default=0)
+    length.add_argument("--epochs", type=positive_int, default=4)
+    length.add_argument("--max_steps", type=non_negative_int, default=0, help="optimizer steps; 0 = run --epochs")
+    free.add_argument("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
+    free.add_argument("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")
+    free.add_argument("--sample_shift", type=positive_float, default=3.0)
+    free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
+                      "pipeline folder (needs --base and v-prediction); out/<run>/transformer/ is always written "
+                      "for v-prediction")
+    add_plumbing_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     info = init_distributed()
-    log = Logger(info)
+    run = TrainingRun(args, info, "pretrain", run_name("pretrain", args.preset))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     args.prediction = args.prediction or ("v" if args.base else "x")
 
-    try:
-        config = preset_config(args.preset)
-        components = make_components(args, info)
-        check_fits(components, config)
-        dataset = training_dataset(args, components, config.patch_size, log)
-        prompts = sample_prompts_for(dataset, args.sample_prompts)
-    except (ValueError, DatasetError) as e:
-        raise UserError(str(e)) from None
-    train(args, "pretrain", SD3Light(config), components, dataset, info, log, prompts)
+    # The frozen components and the data; a fresh transformer: the preset's size on the components' widths
+    components = make_components(args, info).to(info.device)
+    config = preset_config(args.preset, **transformer_widths(components))
+    dataset = training_dataset(args, components, config.patch_size, run.log)
+    prompts = sample_prompts_for(dataset, args.sample_prompts)
+    model = SD3Light(config, gradient_checkpointing=bool(args.gradient_checkpointing)).to(info.device).train()
+    check_image_sizes(args.resolution, dataset, config, components)
+    if args.export_pipeline:
+        check_pipeline_export(components, args.prediction)
+    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
+    if dataset is None:  # --cache_only: the cache is built
+        return run.step
+
+    # Every weight trains, with AdamW (fused: one kernel for all parameters, on a CPU too); an EMA follows them
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    stem = os.path.join(args.out_dir, run.name)
+
+    def export(step):  # the EMA weights (else the raw ones) in --save_dtype, and a diffusers folder for v
+        return export_weights(stem, step, model, (ema or model).state_dict(), components,
+                              run.weights_record(config, components), SAVE_DTYPES[args.save_dtype],
+                              args.export_pipeline)
+
+    def sample_model():  # the sample grids show what is exported
+        return ema.averaged_copy(model) if ema else model
+
+    train_model = ddp(model, info)
+    run.start(dataset, components, prompts, manifest_path(stem), model=model, optimizer=optimizer, ema=ema)
+    for batches in run.steps(train_model):
+        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
+        loss = run.backward(batches, lambda b: flow_matching_loss(train_model, components, b, run.generator, args))
+        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)
+        run.end_step(export, sample_model, loss=loss, lr=lr, grad_norm=grad_norm)
+    return run.step
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ import re
 import torch
 from safetensors import safe_open
 
+from model.errors import UserError
 from model.file_io import atomic_path, atomic_write_text, sha256_of, tensors_equal, write_safetensors
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that is missing, of the wrong kind, truncated or altered: the message is one line."""
 
 

@@ -1,0 +1,165 @@
+"""What a stage trains on, from its arguments: the frozen components (built-in, or `--base`'s SD3 parts), `--data`
+as a dataset (aspect-ratio buckets for user images), the sample grids' prompts, the check that every image size
+fits the model, and the cache of encoded features (dataset/cache.py) that training reads instead of the images.
+
+`args` is a stage's parsed arguments (the plumbing of trainer/arguments.py); `info` is the process's rank, world
+size and device (trainer_utils.DistInfo).
+"""
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from dataset.buckets import bucket_layout, bucket_sizes
+from dataset.cache import build_cache
+from dataset.image_folder import build_dataset, read_prompt_file
+from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION
+from model.components import BuiltinComponents, SD3Components
+from model.errors import UserError
+from model.file_io import json_digest
+
+
+def make_components(args, info):
+    """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones."""
+    if not args.base:
+        return BuiltinComponents(GRAMMAR_WORDS)
+    return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
+
+
+def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
+    """--data (or `data`), in aspect-ratio buckets for user images when --buckets asks for them (auto: 5 buckets
+    on SD3 components, centre-cropped squares with the built-in ones)."""
+    data = data or args.data
+    builtin = data == "builtin" or data.startswith("builtin:")
+    count = int(args.buckets) if args.buckets != "auto" else (5 if components.spec["kind"] == "sd3" else 0)
+    sizes = None
+    if count and not builtin:
+        try:
+            sizes = bucket_sizes(args.resolution, components.downscale * patch_size, count=count)
+        except ValueError as e:
+            raise UserError(f"--buckets {args.buckets} at --resolution {args.resolution}: {e}") from None
+    return build_dataset(data, args.resolution, num_samples=num_samples or args.num_samples, seed=args.seed, log=log,
+                         buckets=sizes)
+
+
+def sample_prompts_for(dataset, prompt_file=None, count=8):
+    """The sample grids' prompts: a file's lines if given; else the built-in data's own; else `count` captions
+    spread over the user's dataset, and the unconditional prompt."""
+    if prompt_file:
+        return read_prompt_file(prompt_file)
+    if hasattr(dataset, "sample_prompts"):
+        return dataset.sample_prompts()
+    picks = [dataset.items[k * len(dataset) // count][1] for k in range(min(count, len(dataset)))]
+    return [c for c in dict.fromkeys(picks) if c] + [""]
+
+
+def check_image_sizes(resolution, dataset, config, components):
+    """Every image size must be a whole number of patches in latent space and fit the model's position table:
+    one line now, not a traceback at the first step."""
+    multiple = components.downscale * config.patch_size
+    for width, height in bucket_layout(dataset, resolution)[1]:
+        what = f"--resolution {resolution}" + ("" if width == height == resolution else f" (bucket {width}x{height})")
+        if width % multiple or height % multiple:
+            raise UserError(f"{what}: image sides must be multiples of {multiple} (autoencoder downscale "
+                            f"{components.downscale} x patch size {config.patch_size})")
+        grid = (height // multiple, width // multiple)
+        if max(grid) > config.pos_embed_max_size:
+            raise UserError(f"{what}: latent grid {grid[0]}x{grid[1]} patches exceeds the position table "
+                            f"({config.pos_embed_max_size}x{config.pos_embed_max_size}): use a smaller resolution or "
+                            "a model with a larger pos_embed_max_size")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cache of encoded features
+
+
+def use_cache(args, components):
+    """--cache auto: on for real SD3 components (their encoders cost most of a step), off for the built-in ones
+    (cheaper to run than to read back)."""
+    return args.cache == "1" or (args.cache == "auto" and components.spec["kind"] != "builtin") or args.cache_only
+
+
+def data_fingerprint(dataset, resolution):
+    """Everything about the data that changes the cached features: the files (path, size, mtime), the captions,
+    the image sizes. Several datasets (LoRA's prior data) are listed part by part."""
+    if isinstance(dataset, torch.utils.data.ConcatDataset):
+        parts = [data_fingerprint(d, resolution) for d in dataset.datasets]
+        return {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
+    sizes = [list(size) for size in bucket_layout(dataset, resolution)[1]]
+    if hasattr(dataset, "items"):  # user images
+        files = []
+        for path, _ in dataset.items:
+            stat = os.stat(path)
+            files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
+        return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": json_digest(files),
+                "captions": json_digest([caption for _, caption in dataset.items]), "sizes": sizes}
+    return {"data": f"builtin:{dataset.split}:{','.join(dataset.colors)}", "count": len(dataset),
+            "generator": json_digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
+
+
+def cache_folder(cache_dir, dataset, fingerprint, components):
+    """One cache folder per dataset (its parts' sources) and component set: stages on the same data share it, and
+    a resolution, caption or file change rebuilds it in place."""
+    source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else dataset
+    name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
+    sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
+    key = json_digest([sources, components.spec.get("kind"), components.spec.get("path")])[:16]
+    return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
+
+
+def cached_dataset(args, dataset, components, info, log):
+    """Encode every sample once (split across ranks, resumable) and return the cache, read memory-mapped; its
+    items are feature dicts (components.encode), in the order of `dataset`'s samples, and it keeps their image
+    sizes (bucket_of, bucket_sizes) so they batch as the images would."""
+    fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
+                   "components": json_digest(components.identity())}
+
+    def encode(indices):
+        items = [dataset[i] for i in indices]
+        features = [None] * len(items)
+        by_size = {}
+        for k, item in enumerate(items):  # one encoder batch per image size (bucket)
+            by_size.setdefault(tuple(item["image"].shape), []).append(k)
+        for group in by_size.values():
+            images = torch.stack([items[k]["image"] for k in group]).to(info.device)
+            batch = components.encode(images, [items[k]["caption"] for k in group])
+            for j, k in enumerate(group):
+                features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
+        return features
+
+    folder = cache_folder(args.cache_dir, dataset, fingerprint, components)
+    cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
+                        barrier=dist.barrier if info.world_size > 1 else None, encode_batch=args.batch_size, log=log)
+    warn_truncated(components, info, log)
+    cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, args.resolution)  # the images' sizes, as batched
+    return cache
+
+
+def warn_truncated(components, info, log):
+    """One counted warning for the captions CLIP cut short, over all ranks (encoding goes on: diffusers truncates
+    the same way). Every rank calls it."""
+    count = getattr(components, "truncated_captions", 0)
+    if info.world_size > 1:
+        total = torch.tensor([float(count)], dtype=torch.float64, device=info.device)
+        dist.all_reduce(total)
+        count = int(total.item())
+    if count:
+        log(f"warning: {count} caption(s) were longer than CLIP's 77 tokens and were truncated for CLIP (T5 reads "
+            "up to --t5_max_length tokens)")
+        components.truncated_captions = 0
+
+
+def features_to_train_on(args, dataset, components, prompts, info, log):
+    """With the cache on (--cache, auto: with SD3 components), encode `dataset` once and train from its cache; on
+    a GPU the text encoders then move to the CPU, once the sample prompts are encoded. -> what to train on, or
+    None when --cache_only asked for the cache alone."""
+    if not use_cache(args, components):
+        return dataset
+    cache = cached_dataset(args, dataset, components, info, log)
+    if args.cache_only:
+        log(f"--cache_only: the cache of {len(cache)} samples is ready in {cache.folder}")
+        return None
+    if info.device.type == "cuda" and hasattr(components, "offload_text_encoders"):
+        components.offload_text_encoders(prompts)  # GPU memory for the transformer instead
+    return cache

@@ -1,0 +1,120 @@
+"""Sampling: weights (with a LoRA, if asked) to images, and images to captioned PNG grids. The training stages draw
+their sample grids with the same functions, so a grid from training and one from eval_sample.py agree."""
+import math
+import os
+import re
+import sys
+import textwrap
+
+import torch
+
+from model.errors import UserError
+from model.file_io import atomic_path
+from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale
+from model.rectified_flow import euler_sample
+from model.weights import load_weights, resolve_lora, sampling_name, weights_identity
+
+
+def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction):
+    """Generate one image per prompt with fixed noise (seeded per prompt index) -> images in [-1, 1] on CPU.
+    `prediction` is what the model outputs, "x" or "v" (its weights record says which)."""
+    was_training = model.training
+    model.eval()
+    tokens, pooled = components.encode_prompts(prompts)
+    shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)
+    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
+                         for i in range(len(prompts))]).to(device)
+    latents = euler_sample(model, noise, tokens.to(device), pooled.to(device), steps=steps, cfg=cfg, shift=shift,
+                           prediction=prediction)
+    model.train(was_training)
+    return components.decode_latents(latents).float().cpu()
+
+
+def sampling_settings(record, steps=None, cfg=None, shift=None):
+    """Sampler settings: the ones given, else what the run sampled its grids with (its weights record)."""
+    saved = record["sampling"]
+    return {"steps": steps or saved["steps"], "cfg": saved["cfg"] if cfg is None else cfg,
+            "shift": saved["shift"] if shift is None else shift}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Weights to sample from
+
+
+def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge=False, base=None):
+    """Weights to sample from, with a LoRA applied if given: unmerged (an extra low-rank term in each adapted
+    layer) or merged into the weights. `weights` defaults to the LoRA's base, else pretrain_tiny.
+    -> (model, components, record of the weights, record of the LoRA or None)."""
+    lora_record, path = None, None
+    if lora:
+        path = resolve_lora(lora, out_dir)
+        try:
+            lora_state, lora_config, lora_record = read_lora_file(path)
+            lora_record = lora_record or {}
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"{path} is not a readable LoRA file: {e}") from None
+    if weights is None:
+        weights = lora_record["base"]["weights"] if lora_record and "base" in lora_record else "pretrain_tiny"
+    model, components, record = load_weights(weights, out_dir, device, base)
+    if path:
+        base = lora_record.get("base")
+        if base and base["sha256"] != weights_identity(record, out_dir)["sha256"]:
+            print(f"warning: {path} was trained on other weights ({base['weights']} step {base['step']}) than "
+                  f"{record['manifest']} (step {record['step']})", file=sys.stderr)
+        try:
+            attach_lora(model, lora_state, lora_config)
+        except ValueError as e:
+            raise UserError(f"{path} does not fit {record['manifest']}: {e}") from None
+        set_lora_scale(model, lora_scale)
+        if merge:
+            merge_lora(model)
+    return model, components, record, lora_record
+
+
+def output_path(record, lora_record, out_dir, pattern):
+    """Where eval output about some weights goes by default: `pattern` (e.g. "samples/{name}_eval.png") beside
+    the weights' manifest, in their run's own folder, so runs of the same name in different folders never
+    overwrite each other's output; for a diffusers folder, in `out_dir` and named after the folder."""
+    if record["stage"] == "diffusers":
+        folder = record["manifest"].rstrip(os.sep)
+        if os.path.basename(folder) == "transformer":
+            folder = os.path.dirname(folder)
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(folder))
+        return os.path.join(out_dir, pattern.format(name=name))
+    folder = os.path.dirname(os.path.abspath(record["manifest"]))
+    return os.path.join(folder, pattern.format(name=sampling_name(record, lora_record)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Grids
+
+
+def to_uint8(images):
+    """[N, 3, H, W] in [-1, 1] -> uint8 array [N, H, W, 3], as PNGs store them."""
+    return ((images.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+
+
+def captioned_grid(images, captions, tile=128, columns=None):
+    """A PNG-ready PIL grid: each image upscaled to `tile` px with its caption underneath."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    n = len(images)
+    columns = columns or min(n, 8)
+    rows = math.ceil(n / columns)
+    text_h = 34
+    grid = Image.new("RGB", (columns * tile, rows * (tile + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    font = ImageFont.load_default()
+    for i, (arr, caption) in enumerate(zip(to_uint8(images), captions)):
+        pil = Image.fromarray(arr).resize((tile, tile), Image.NEAREST)
+        x, y = (i % columns) * tile, (i // columns) * (tile + text_h)
+        grid.paste(pil, (x, y))
+        for j, line in enumerate(textwrap.wrap(caption or "(unconditional)", width=tile // 6)[:3]):
+            draw.text((x + 2, y + tile + 1 + 11 * j), line, fill="black", font=font)
+    return grid
+
+
+def save_grid(path, images, captions, columns=None):
+    """Write a captioned grid PNG atomically."""
+    with atomic_path(path) as tmp:
+        captioned_grid(images, captions, columns=columns).save(tmp, format="PNG")

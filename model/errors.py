@@ -1,0 +1,28 @@
+"""Errors the user can fix, and how every script reports them: one line on stderr, exit code 2, no traceback.
+
+The errors of the data (DatasetError), the cache (CacheError), the components (ComponentsError) and checkpoints
+(CheckpointError) are UserErrors, so `run_main` reports them all the same way.
+"""
+import sys
+
+
+class UserError(Exception):
+    """A problem the user can fix (a bad path, a mismatched resume, a bad argument): one line, no traceback."""
+
+
+def run_main(main):
+    """Run a script's main(): a UserError becomes one line on stderr and exit code 2; a second Ctrl-C (which
+    interrupts a save-and-stop) exits 130. The process group, if any, is torn down either way."""
+    import torch.distributed as dist
+
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now; the last committed checkpoint is intact
+        print("interrupted: the last saved checkpoint is intact; continue with --from_resume 1", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

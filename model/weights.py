@@ -1,0 +1,222 @@
+"""Trained weights on disk: what runs' files are called, writing them (verified, committed by a manifest, plus a
+diffusers transformer folder for v-prediction), and reading them back strictly for sampling and fine-tuning,
+from our manifests or from diffusers folders. LoRA files are found here by name too.
+
+    out/pretrain_tiny.json                                the weights' manifest (model/checkpoint.py)
+    out/pretrain_tiny.stepNNNNNNNN.safetensors            the transformer, diffusers' key names
+    out/pretrain_tiny.stepNNNNNNNN.components.safetensors the trained parts of the components (built-in text encoder)
+    out/pretrain_tiny/transformer/                        the same transformer as a diffusers folder (v-prediction)
+    out/lora/lora_demo_tiny.safetensors                   a LoRA, in diffusers' LoRA format
+"""
+import os
+
+from model.checkpoint import (
+    checkpoint_file, load_safetensors, manifest_path, read_manifest, save_checkpoint, stem_of, step_file,
+)
+from model.components import ComponentsError, build_components, check_widths
+from model.diffusers_io import (
+    DIFFUSERS_WEIGHTS, diffusers_transformer_dir, diffusers_weight_files, export_diffusers, pipeline_shift,
+    read_diffusers_state,
+)
+from model.errors import UserError
+from model.file_io import json_digest, sha256_of
+from model.model_sd3light import PRESETS, SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
+# Stages whose weights another stage can start from: `--from_weight pretrain` means out/pretrain_<preset>.
+WEIGHT_STAGES = ("pretrain", "sft")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Names
+
+
+def run_name(stage, preset):
+    """What a run's files are called: pretrain_tiny.json, pretrain_tiny_metrics.jsonl, pretrain_tiny_resume.json."""
+    return f"{stage}_{preset}"
+
+
+def lora_run_name(name, preset):
+    """A LoRA run's name: its metrics, samples and resume files are called lora_<name>_<preset>*."""
+    return run_name(f"lora_{name}", preset)
+
+
+def lora_file(out_dir, name, preset):
+    """Where the LoRA stage writes adapter `name`: out/lora/lora_<name>_<preset>.safetensors."""
+    return os.path.join(out_dir, "lora", lora_run_name(name, preset) + ".safetensors")
+
+
+def resolve_lora(name_or_path, out_dir):
+    """A LoRA file's path, or a name trained into out_dir/lora (whatever its preset) -> the file's path."""
+    if os.path.isfile(name_or_path):
+        return name_or_path
+    found = [path for preset in PRESETS if os.path.isfile(path := lora_file(out_dir, name_or_path, preset))]
+    if len(found) != 1:
+        what = "no LoRA file" if not found else f"{len(found)} LoRA files ({', '.join(found)})"
+        raise UserError(f"{what} for --lora {name_or_path} in {os.path.join(out_dir, 'lora')}: pass the file's path")
+    return found[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Writing
+
+
+def save_weights(stem, step, model, state, components_state, record, dtype):
+    """Export for sampling and fine-tuning: transformer weights `state` (the model's keys, diffusers names) in
+    `dtype`, the trained parts of the components, and `record`, which rebuilds both. `state` must fit `model`
+    exactly (every parameter and buffer, right shapes): an empty or partial state dict never reaches the disk."""
+    check_state_dict(model, state)
+    tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
+               for k, v in state.items()}
+    parts = {".safetensors": tensors}
+    if components_state:
+        parts[".components.safetensors"] = {k: v.detach().contiguous().cpu() for k, v in components_state.items()}
+    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts)
+
+
+def check_pipeline_export(components, prediction):
+    """--export_pipeline writes a diffusers pipeline folder: one line now if it cannot, not at the first save."""
+    if components.spec["kind"] != "sd3" or prediction != "v":
+        raise UserError("--export_pipeline needs SD3 components (--base) and v-prediction: diffusers' pipeline has "
+                        "neither the built-in components nor a clean-image (x) prediction")
+
+
+def export_weights(stem, step, model, state, components, record, dtype, pipeline=False):
+    """Our weights (save_weights), then, for v-prediction (diffusers reads the output as a velocity), the same file
+    as a diffusers transformer folder <stem>/transformer/, and with `pipeline` a whole pipeline folder around it
+    (SD3 components only). -> bytes written."""
+    written = save_weights(stem, step, model, state, components.trained_state_dict(), record, dtype)
+    if record["prediction"] == "v":
+        written += export_diffusers(stem, model.config, step_file(stem, step, ".safetensors"),
+                                    components.spec["path"] if pipeline else None, record["sampling"]["shift"])
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading
+
+
+def resolve_weights(name_or_path, out_dir):
+    """A stage name ('pretrain_tiny'), or the path of the manifest, one of its files or the stem -> the stem."""
+    stem = stem_of(name_or_path)
+    if not os.path.dirname(stem) and not os.path.exists(manifest_path(stem)):
+        stem = os.path.join(out_dir, stem)
+    if not os.path.exists(manifest_path(stem)):
+        raise UserError(f"no weights at {manifest_path(stem)}: train a stage first or pass the right path")
+    return stem
+
+
+def components_for(spec, base, device, where):
+    """The components a weights record names; `base` replaces the SD3 folder it names (moved, or another copy)."""
+    if base:
+        if spec["kind"] != "sd3":
+            raise UserError(f"--base {base}: {where} was trained on the built-in components, not SD3 ones")
+        spec = {**spec, "path": os.path.abspath(base)}
+    try:
+        return build_components(spec, device)
+    except ComponentsError as e:
+        raise UserError(f"{e} (the components of {where})") from None
+
+
+def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu", base=None):
+    """-> (SD3Light in fp32, components, record). Our weights: files checked against their manifest; strict: every
+    key fits. Or a diffusers folder (a pipeline, or just its transformer/). `base`: the SD3 folder to take the
+    VAE and text encoders from, instead of the one the weights record names."""
+    if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
+        return load_diffusers_weights(name_or_path, device, base)
+    stem = resolve_weights(name_or_path, out_dir)
+    record = read_manifest(stem, "weights")
+    record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
+    model = SD3Light(SD3LightConfig.from_dict(record["transformer"]))
+    components = components_for(record["components"], base, device, manifest_path(stem))
+    check_widths(components, model.config, manifest_path(stem))
+    try:
+        model.load_state_dict({k: v.float() for k, v in
+                               load_safetensors(checkpoint_file(stem, record, ".safetensors")).items()})
+        components_file = checkpoint_file(stem, record, ".components.safetensors")
+        if os.path.basename(components_file) in record["files"]:
+            components.load_trained_state_dict(load_safetensors(components_file))
+    except (StateDictMismatchError, RuntimeError) as e:
+        raise UserError(f"{manifest_path(stem)}: {str(e).splitlines()[0][:400]}") from None
+    record["manifest"] = manifest_path(stem)  # where it was read from (not part of the file)
+    return model.to(device).eval(), components.to(device), record
+
+
+def load_diffusers_weights(folder, device="cpu", base=None):
+    """A diffusers SD3 transformer (its folder, or a pipeline folder holding it) -> (SD3Light in fp32, components,
+    record). The components come from `base`, else from the pipeline folder itself. Published SD3 transformers
+    predict the velocity."""
+    transformer_dir = diffusers_transformer_dir(folder)
+    if transformer_dir is None:
+        raise UserError(f"{folder} holds no diffusers transformer (transformer/config.json and "
+                        f"{DIFFUSERS_WEIGHTS} or its shards)")
+    try:
+        config = SD3LightConfig.load_json(transformer_dir)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{transformer_dir}/config.json: {e}") from None
+    preset = preset_of(config)
+    if preset is None:
+        raise UserError(f"the transformer in {transformer_dir} matches no preset (layers {config.num_layers}, width "
+                        f"{config.inner_dim}): add its config to PRESETS in model/model_sd3light.py")
+    # the components first: a wrong --base is a one-line error before gigabytes of weights are read
+    pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
+    components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
+    if components_path is None:
+        raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
+                        "encoders")
+    components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
+                                None, device, folder)
+    check_widths(components, config, transformer_dir)
+    model = SD3Light(config)
+    try:
+        model.load_state_dict({k: v.float() for k, v in read_diffusers_state(transformer_dir).items()})
+    except (OSError, StateDictMismatchError, RuntimeError) as e:
+        raise UserError(f"{transformer_dir}: {str(e).splitlines()[0][:400]}") from None
+    record = {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
+              "resolution": config.sample_size * components.downscale, "transformer": config.to_dict(),
+              "components": components.spec, "sampling": {"steps": 28, "cfg": 7.0, "shift": pipeline_shift(pipeline)},
+              "manifest": os.path.abspath(transformer_dir), "weight_files": diffusers_weight_files(transformer_dir)}
+    return model.to(device).eval(), components.to(device), record
+
+
+def load_start_weights(from_weight, preset, prediction, out_dir, base=None):
+    """The weights a fine-tune starts from: `from_weight` is a stage name in out_dir ('pretrain' means
+    pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of `preset`,
+    and predict `prediction` if it is given (None: whatever they predict).
+    -> (model in fp32, components, record with "manifest": where they were read from)."""
+    if from_weight == "base":
+        if not base:
+            raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
+        model, components, record = load_diffusers_weights(base, base=base)
+    else:
+        source = run_name(from_weight, preset) if from_weight in WEIGHT_STAGES else from_weight
+        model, components, record = load_weights(source, out_dir, base=base)
+    where = record["manifest"]
+    if record["preset"] != preset:
+        raise UserError(f"--from_weight {where} holds '{record['preset']}' weights, not --preset {preset}: "
+                        f"pass --preset {record['preset']} or weights of preset {preset}")
+    if prediction not in (None, record["prediction"]):
+        raise UserError(f"--from_weight {where} predicts {record['prediction']}, not --prediction {prediction}: "
+                        "a fine-tune keeps its weights' prediction (leave --prediction unset)")
+    return model, components, record
+
+
+def weights_identity(record, out_dir):
+    """Which weights a run started from, to check later: the manifest (relative to out_dir when inside it), the
+    step and the transformer file's sha256."""
+    manifest = os.path.abspath(record["manifest"])
+    if os.path.dirname(manifest) == os.path.abspath(out_dir):
+        manifest = os.path.basename(manifest)
+    if "weight_files" in record:  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
+        return {"weights": manifest, "step": record["step"],
+                "sha256": json_digest([sha256_of(path) for path in record["weight_files"]])}
+    transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))
+    return {"weights": manifest, "step": record["step"], "sha256": record["files"][transformer_file]["sha256"]}
+
+
+def sampling_name(record, lora_record=None):
+    """What eval output is called: the weights' run name, or the LoRA's when one is applied."""
+    if lora_record and "args" in lora_record:
+        return lora_run_name(lora_record["args"]["lora_name"], record["preset"])
+    return run_name(record["stage"], record["preset"])

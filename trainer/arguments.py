@@ -1,0 +1,143 @@
+"""A stage's command line. The stage script declares its own hyperparameters, each in the group that says how a
+resume treats it (the group is where the argument is declared, and what --help shows it under):
+
+    identity  what the run is (preset, resolution, data, prediction...): resuming with another value is refused
+    recipe    how it trains (learning rate, batch, loss...): another value on resume needs --force_resume 1
+    length    how long it trains (--epochs, --max_steps): a larger value continues the run, a smaller one is a
+              recipe change
+    free      what changes nothing that is trained (sampling, intervals): free to change on resume
+
+This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value
+is one line naming the argument, and the plumbing that every stage shares and nobody tunes (--base, --data,
+paths, resume, cache, intervals, workers, dtype, wandb).
+"""
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
+
+DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
+DEFAULT_CACHE_DIR = os.path.join(REPO_ROOT, "cache")
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+RESUME_KINDS = {"identity": "what the run is (a resume must match)",
+                "recipe": "how it trains (changing one on resume needs --force_resume 1)",
+                "length": "how long it trains (a resume may make it longer)",
+                "free": "free to change on resume"}
+
+
+class ResumeGroup:
+    """An argument group of one resume kind: add_argument as argparse's, recording each argument's kind."""
+
+    def __init__(self, parser, kind):
+        self.group, self.kind, self.kinds = parser.add_argument_group(RESUME_KINDS[kind]), kind, parser.resume_kinds
+
+    def add_argument(self, *names, **kwargs):
+        action = self.group.add_argument(*names, **kwargs)
+        self.kinds[action.dest] = self.kind
+        return action
+
+
+class StageParser(argparse.ArgumentParser):
+    """The parser of a stage script: its docstring as the description, the four resume groups, and errors in one
+    line (`error: argument --batch_size: ...`, exit code 2) instead of the usage block."""
+
+    def __init__(self, doc):
+        super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.resume_kinds = {}  # argument name -> identity | recipe | length | free
+        self.identity, self.recipe = ResumeGroup(self, "identity"), ResumeGroup(self, "recipe")
+        self.length, self.free = ResumeGroup(self, "length"), ResumeGroup(self, "free")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """The namespace carries the arguments' resume kinds as a class attribute (args.resume_kinds), so they go
+        wherever the arguments go without being one of them (vars(args) leaves them out)."""
+        if namespace is None:
+            namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message):
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checked numbers: argparse names the argument and the value in its one-line error
+
+
+def checked(kind, test, what):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    parse.__name__ = what
+    return parse
+
+
+positive_int = checked(int, lambda v: v >= 1, "a whole number >= 1")
+non_negative_int = checked(int, lambda v: v >= 0, "a whole number >= 0")
+positive_float = checked(float, lambda v: v > 0 and not math.isnan(v), "a number > 0")
+non_negative_float = checked(float, lambda v: v >= 0 and not math.isnan(v), "a number >= 0")
+finite_float = checked(float, math.isfinite, "a finite number")
+probability = checked(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+decay = checked(float, lambda v: 0 <= v < 1, "a number from 0 up to (not including) 1")
+switch = checked(int, lambda v: v in (0, 1), "0 or 1")
+
+
+def bucket_count(text):
+    """--buckets: 'auto', 0 (squares) or an odd number of aspect-ratio buckets (symmetric round the square)."""
+    if text != "auto" and not (text.isdigit() and (int(text) == 0 or int(text) % 2 == 1)):
+        raise argparse.ArgumentTypeError(f"must be auto, 0 or an odd number, got {text}")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plumbing every stage shares
+
+
+def add_plumbing_args(parser, data="builtin"):
+    """Components, data, cache, paths, resume, intervals, logging and hardware: the same for every stage."""
+    parser.identity.add_argument("--data", default=data, help="'builtin' shapes, a folder of images + .txt "
+                                 "captions, or a .jsonl manifest")
+    a = parser.recipe.add_argument
+    a("--base", default=None, help="a local diffusers SD3 / SD3.5 folder: its VAE and text encoders (T5 optional) "
+      "replace the built-in components; `--from_weight base` starts from its transformer")
+    a("--t5_max_length", type=positive_int, default=77, help="T5 tokens of the text (SD3 components); diffusers' "
+      "pipeline default is 256: pass max_sequence_length to match")
+    a("--buckets", type=bucket_count, default="auto", help="aspect-ratio buckets for your images: an odd count, "
+      "0 = centre-cropped squares, auto = 5 on SD3 components (--base), else 0")
+    a = parser.free.add_argument
+    a("--cache", default="auto", choices=["auto", "0", "1"], help="encode latents and text once into --cache_dir "
+      "and train from that; auto = on with --base (the SD3 encoders are most of a step)")
+    a("--cache_dir", default=DEFAULT_CACHE_DIR)
+    a("--cache_only", action="store_true", help="build the cache, then stop")
+    a("--out_dir", default=DEFAULT_OUT_DIR)
+    a("--save_dir", default=DEFAULT_SAVE_DIR)
+    a("--from_resume", default="0", help="1 = continue from the resume checkpoint in --save_dir if there is one; "
+      "or the path of a resume checkpoint (its .json)")
+    a("--force_resume", type=switch, default=0, help="1 = resume even though recipe settings (learning rate, batch "
+      "size...) changed; what the run is (preset, resolution, data, prediction) can never change")
+    a("--save_interval", type=positive_int, default=200, help="steps between saves of weights and resume checkpoint")
+    a("--save_dtype", default="bf16", choices=list(SAVE_DTYPES), help="dtype of the exported weights")
+    a("--sample_interval", type=non_negative_int, default=400, help="steps between sample grids; 0 = only at the end")
+    a("--sample_prompts", default=None, help="file of prompts for the sample grids, one a line; default: fixed "
+      "prompts for the built-in data, else 8 captions of the dataset")
+    a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
+      "step trained on (to audit the data order across resumes)")
+    a("--num_workers", type=non_negative_int, default=0, help="data loader processes (0 on a small CPU)")
+    a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="autocast; auto = bf16 on GPU, fp32 on CPU")
+    a("--gradient_checkpointing", type=switch, default=0, help="1 = recompute each block in backward (less memory)")
+    a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")
+    a("--wandb_project", default="MiniSD3")
+    return parser
+
+
+def autocast_dtype(dtype, device):
+    """--dtype as the autocast dtype on `device`, or None for plain fp32."""
+    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device.type == "cuda") else None

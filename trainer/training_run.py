@@ -1,0 +1,329 @@
+"""TrainingRun, the bookkeeper of one run, the same in every stage. The stage names what the resume checkpoint
+holds (its networks, optimizers and EMAs: anything with state_dict() and load_state_dict()) and loops:
+
+    run.start(dataset, components, prompts, output, model=model, optimizer=optimizer, ema=ema)
+    for micro_batches in run.steps(train_model):
+        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
+        loss = run.backward(micro_batches, lambda batch: <the stage's loss of one micro-batch>)
+        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)
+        run.end_step(export, sample_model, loss=loss, lr=lr, grad_norm=grad_norm)
+
+It keeps the data position in samples (samples_seen; the epoch and `consumed`, the position in it) and the
+schedule in steps of the global batch the run started with (plan_batch), so a resume with another number of
+processes continues the same epoch and the same schedule. It writes the metrics, the resume checkpoint and the
+sample grids on their cadence; the stage's `export` writes its weights. Only rank 0 writes files.
+"""
+import argparse
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from dataset.buckets import bucket_layout
+from dataset.samplers import BucketSampler, make_sampler
+from dataset.training_data import warn_truncated
+from eval.sampling import sample_images, save_grid
+from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of
+from model.errors import UserError
+from trainer.trainer_utils import (
+    StopSignal, check_resume, find_resume, ignore_sigint, lr_at, mean_and_any, rng_state, set_rng_state, to_cpu,
+    truncate_metrics,
+)
+
+NAN_STEPS_LIMIT = 10  # this many non-finite losses in a row stop the run
+
+
+class TrainingRun:
+    def __init__(self, args, info, stage, name):
+        self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
+        self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
+        self.metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
+        self.generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, dropout
+        self.global_batch = args.batch_size * args.accumulation_steps * info.world_size
+        self.step = self.epoch = self.consumed = self.samples_seen = self.nan_streak = 0
+        self.plan_batch, self.wandb_id, self.bar, self.wandb_run = self.global_batch, None, None, None
+        self.stop, self.skipped, self.ids, self.resumed = False, False, [], False
+        self.stop_signal = StopSignal()
+
+    def log(self, msg):
+        """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
+        if self.info.is_main:
+            if self.bar is not None:
+                self.bar.write(msg)
+            else:
+                print(msg, flush=True)
+
+    @property
+    def finished(self):
+        return self.samples_seen >= self.total_samples
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Start: resume or start fresh, and plan
+
+    def start(self, dataset, components, prompts, output, identity=None, first_grid=None, **tracked):
+        """Resume the named `tracked` objects from the resume checkpoint if asked (else start fresh) and plan the
+        run over `dataset`. `output`: what the stage exports (its manifest or file); `identity`: what is trained,
+        which a resume must match (by default the whole model); `first_grid`: a fresh run draws a step-0 sample
+        grid of `first_grid()` (a fine-tune's starting weights, to compare with)."""
+        if len(dataset) < self.global_batch:
+            raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
+                            f"({self.global_batch} = batch_size x accumulation_steps x processes): lower --batch_size")
+        self.dataset, self.components, self.prompts, self.output = dataset, components, prompts, output
+        self.tracked, self.identity = tracked, identity or {"kind": "full"}
+        if self.info.is_main:  # whatever a killed run left half-written
+            for stem in (stem_of(output), self.resume_stem, os.path.join(self.args.out_dir, "samples", self.name)):
+                remove_leftovers(stem)
+        resume_from, state = find_resume(str(self.args.from_resume), self.resume_stem, self.info)
+        if state is not None:
+            self._resume(state, manifest_path(resume_from))
+        elif self.args.from_resume == "1":
+            self.log(f"no resume checkpoint at {manifest_path(self.resume_stem)}: starting from scratch")
+        elif os.path.exists(manifest_path(self.resume_stem)):
+            self.log(f"warning: starting a fresh run; the resume checkpoint at {manifest_path(self.resume_stem)} "
+                     "will be replaced at the first save (pass --from_resume 1 to continue it instead)")
+        self._plan(state)
+        self._open_logs()
+        if first_grid is not None and not self.resumed:
+            self.sample_grid(first_grid)
+
+    def _resume(self, state, where):
+        for change in check_resume(state, self.args, self.stage, len(self.dataset), self.identity):
+            self.log(f"warning: resuming with a changed setting (--force_resume): {change}")
+        try:
+            for name, obj in self.tracked.items():
+                if obj is not None:
+                    obj.load_state_dict(state[name])
+        except (KeyError, ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
+            raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
+        self.resumed = True
+        self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
+        self.samples_seen, self.plan_batch = state["samples_seen"], state["plan_batch"]
+        self.wandb_id = state["wandb_id"]
+        if state["world_size"] == self.info.world_size and state["global_batch"] == self.global_batch:
+            set_rng_state(state["rng"][self.info.rank], self.generator, self.device)
+        else:  # the data position carries over exactly; the noise stream restarts, seeded by step and rank
+            self.generator.manual_seed(self.args.seed * 1000 + self.info.rank + 7919 * self.step)
+            self.log(f"resuming with {self.info.world_size} process(es) and global batch {self.global_batch} (saved: "
+                     f"{state['world_size']}, {state['global_batch']}): {self.samples_seen} samples seen, epoch "
+                     f"{self.epoch} continues at sample {self.consumed} of its permutation")
+        self.log(f"resumed {where} at step {self.step} (epoch {self.epoch}, {self.samples_seen} samples seen)")
+
+    def _planned_steps(self, args):
+        return args.max_steps if args.max_steps > 0 else args.epochs * self.sampler.steps_left(0, self.plan_batch)
+
+    def _plan(self, state):
+        a = self.args
+        self.sampler = make_sampler(bucket_layout(self.dataset, a.resolution)[0], a.batch_size, self.info.rank,
+                                    self.info.world_size, a.seed)
+        if isinstance(self.sampler, BucketSampler) and state is not None and \
+                state["args"]["batch_size"] != a.batch_size:
+            raise UserError(f"cannot resume bucketed data with --batch_size {a.batch_size}: its epochs are planned "
+                            f"in micro-batches of {state['args']['batch_size']} (change --accumulation_steps instead)")
+        self.plan_steps = self._planned_steps(a)
+        if state is not None and self.plan_steps > (before := self._planned_steps(argparse.Namespace(**state["args"]))):
+            self.log(f"the schedule now ends at step {self.plan_steps} (it was to end at step {before}): the "
+                     "learning rate follows the longer schedule from here")
+        self.total_samples = self.plan_steps * self.plan_batch
+
+    def _open_logs(self):
+        a = self.args
+        if self.info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
+            os.makedirs(a.out_dir, exist_ok=True)
+            truncate_metrics(self.metrics_path, self.step)
+        if a.use_wandb and self.info.is_main:
+            import wandb
+
+            self.wandb_run = wandb.init(project=a.wandb_project, name=self.name, id=self.wandb_id, resume="allow",
+                                        config=vars(a), dir=a.out_dir,
+                                        mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb_id = self.wandb_run.id
+        trainable = {id(p): p.numel() for obj in self.tracked.values() if isinstance(obj, torch.optim.Optimizer)
+                     for group in obj.param_groups for p in group["params"]}
+        steps_left = math.ceil((self.total_samples - self.samples_seen) / self.global_batch)
+        self.log(f"{self.stage}: {sum(trainable.values()) / 1e6:.1f}M trainable parameters, {len(self.dataset)} "
+                 f"samples, global batch {self.global_batch}, {self.step + steps_left} steps, {self.info.world_size} "
+                 f"process(es) on {self.device.type}")
+        if self.info.is_main:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.step + steps_left, initial=self.step, desc=self.stage, dynamic_ncols=True)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The steps
+
+    def steps(self, *models):
+        """Yield, step after step, this rank's micro-batches of the step (an iterator; `models` skip the gradient
+        all-reduce on all but the last), until the planned samples are seen or a stop signal came. Stop signals are
+        caught meanwhile: the step in progress completes, is saved, and the loop ends."""
+        a, self.t_last = self.args, time.perf_counter()
+        with self.stop_signal:
+            while not (self.finished or self.stop):
+                if self.sampler.steps_left(self.consumed, self.global_batch) == 0:
+                    self.epoch, self.consumed = self.epoch + 1, 0
+                # this rank's share of the rest of the epoch; the loader has its own generator: torch's stream untouched
+                batches = self.sampler.rank_batches(self.epoch, self.consumed, a.batch_size, self.global_batch)
+                loader = zip(batches, torch.utils.data.DataLoader(
+                    self.dataset, batch_sampler=batches, num_workers=a.num_workers, worker_init_fn=ignore_sigint,
+                    generator=torch.Generator().manual_seed(a.seed)))
+                while not (self.finished or self.stop) and self.sampler.steps_left(self.consumed, self.global_batch):
+                    self.step, self.skipped, self.ids = self.step + 1, False, []
+                    yield self._micro_batches(loader, models)
+        self._finish()
+
+    def _micro_batches(self, loader, models):
+        for micro in range(self.args.accumulation_steps):
+            last = micro == self.args.accumulation_steps - 1
+            ids, batch = next(loader)
+            self.ids += ids
+            with contextlib.ExitStack() as no_sync:  # gradients are all-reduced once per step, on the last micro-batch
+                if not last and self.info.world_size > 1:
+                    for model in models:
+                        no_sync.enter_context(model.no_sync())
+                yield batch
+
+    def schedule_lr(self, optimizer, base_lr, warmup_steps, min_lr_ratio):
+        """Set `optimizer`'s learning rate for this step (warmup, then cosine; counted in samples) -> the rate."""
+        lr = lr_at(self.samples_seen / self.plan_batch, self.plan_steps, base_lr, warmup_steps, min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def backward(self, micro_batches, loss_of):
+        """Forward and backward through each micro-batch (`loss_of(batch)` -> the loss), gradients accumulated.
+        -> the loss averaged over micro-batches and processes (one all-reduce, which also tells every rank
+        whether any was asked to stop)."""
+        total = 0.0
+        for batch in micro_batches:
+            loss = loss_of(batch)
+            (loss / self.args.accumulation_steps).backward()
+            total += loss.item()
+        loss, stop = mean_and_any(total / self.args.accumulation_steps, self.stop_signal.received is not None,
+                                  self.info)
+        self.stop = self.stop or stop
+        return loss
+
+    def optimizer_step(self, optimizer, params, loss, grad_clip, ema=None):
+        """Clip the gradients of `params`, step `optimizer` and update `ema`; -> the gradient norm. A loss that is
+        not finite (the same on every rank: it is averaged) skips the update instead, -> None; ten in a row stop
+        the run."""
+        if math.isfinite(loss):
+            self.nan_streak = 0
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
+            optimizer.step()
+            if ema is not None:
+                ema.update(self.step)
+        else:
+            self.skipped, self.nan_streak, grad_norm = True, self.nan_streak + 1, None
+            self.log(f"warning: loss is {loss} at step {self.step}; update skipped ({self.nan_streak} in a row)")
+            if self.nan_streak >= NAN_STEPS_LIMIT:
+                raise UserError(f"loss was not finite for {self.nan_streak} steps in a row (last good save in "
+                                f"{self.args.save_dir}): lower --learning_rate or check the data")
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def end_step(self, export, sample_model, **metrics):
+        """Count the step's samples, write its metrics (unless its update was skipped), then save (the resume
+        checkpoint, then `export(step)`, the stage's weights) and draw a sample grid of `sample_model()` when due:
+        every --save_interval / --sample_interval steps, at the end, and (saving only) on a stop signal."""
+        self.consumed, self.samples_seen = self.consumed + self.global_batch, self.samples_seen + self.global_batch
+        if self.args.log_sample_ids and self.info.world_size > 1:
+            per_rank = [None] * self.info.world_size
+            dist.all_gather_object(per_rank, self.ids)
+            self.ids = [i for rank_ids in per_rank for i in rank_ids]
+        if not self.skipped:
+            self._write_metrics(metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.step % self.args.save_interval == 0 or self.finished or self.stop:
+            self.save(export)
+        if not self.stop and ((self.args.sample_interval and self.step % self.args.sample_interval == 0)
+                              or self.finished):
+            self.sample_grid(sample_model)
+
+    def _write_metrics(self, metrics):
+        now = time.perf_counter()
+        images_per_s, self.t_last = self.global_batch / (now - self.t_last), now
+        if not self.info.is_main:
+            return
+        row = {"step": self.step, "epoch": self.epoch, **metrics, "images_per_s": images_per_s,
+               "samples_seen": self.samples_seen}
+        if self.args.log_sample_ids:
+            row["sample_ids"] = self.ids
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", img_s=f"{images_per_s:.0f}")
+        if self.wandb_run is not None:
+            self.wandb_run.log(row, step=self.step)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Saving, sample grids, the end
+
+    def save(self, export):
+        """The resume checkpoint (every tracked object, the data position, every rank's random streams), then the
+        stage's `export(step)` -> bytes: if the export is cut short, training can still continue."""
+        rng = [None] * self.info.world_size
+        if self.info.world_size > 1:
+            dist.all_gather_object(rng, rng_state(self.generator, self.device))
+        else:
+            rng = [rng_state(self.generator, self.device)]
+        if not self.info.is_main:
+            return
+        t0 = time.perf_counter()
+        state = {"kind": "resume", "stage": self.stage, "step": self.step, "epoch": self.epoch,
+                 "consumed": self.consumed, "samples_seen": self.samples_seen, "world_size": self.info.world_size,
+                 "global_batch": self.global_batch, "plan_batch": self.plan_batch, "dataset_size": len(self.dataset),
+                 "trained": self.identity, "rng": to_cpu(rng), "wandb_id": self.wandb_id, "args": vars(self.args)}
+        clash = set(state) & set(self.tracked)
+        if clash:
+            raise ValueError(f"tracked names {sorted(clash)} are taken by the resume checkpoint's own keys")
+        state.update({name: to_cpu(obj.state_dict()) if obj is not None else None
+                      for name, obj in self.tracked.items()})
+        written = save_checkpoint(self.resume_stem, self.step, {"kind": "resume", "stage": self.stage,
+                                                                "preset": self.args.preset,
+                                                                "samples_seen": self.samples_seen}, {".pt": state})
+        written += export(self.step)
+        self.log(f"saved step {self.step}: {written / 1e6:.0f} MB written and verified in "
+                 f"{time.perf_counter() - t0:.1f} s")
+
+    def weights_record(self, config, components, **extra):
+        """What the exported weights' manifest records: how to rebuild and sample them, and the run's arguments."""
+        a = self.args
+        return {"stage": self.stage, "preset": a.preset, "samples_seen": self.samples_seen,
+                "resolution": a.resolution, "prediction": a.prediction, "ema": a.ema_decay > 0,
+                "save_dtype": a.save_dtype, "transformer": config.to_dict(), "components": components.spec,
+                "sampling": {"steps": a.sample_steps, "cfg": a.sample_cfg, "shift": a.sample_shift}, **extra,
+                "args": vars(a)}
+
+    def sample_grid(self, sample_model):
+        """Rank 0 draws the sample prompts with fixed noise from `sample_model()` into
+        out/samples/<run>_stepNNNNNN.png."""
+        if not self.info.is_main:
+            return
+        a = self.args
+        images = sample_images(sample_model(), self.components, self.prompts, seed=a.seed, steps=a.sample_steps,
+                               cfg=a.sample_cfg, shift=a.sample_shift, resolution=a.resolution, device=self.device,
+                               prediction=a.prediction)
+        path = os.path.join(a.out_dir, "samples", f"{self.name}_step{self.step:06d}.png")
+        save_grid(path, images, self.prompts)
+        self.log(f"sample grid: {path}")
+
+    def _finish(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.info.world_size > 1:
+            dist.barrier()  # leave together: rank 0 may still be writing the last save or sample grid
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+        warn_truncated(self.components, self.info, self.log)  # when encoding as it trained (no cache)
+        if self.stop:
+            received = self.stop_signal.received
+            what = signal.Signals(received).name if received else "a stop signal on another rank"
+            self.log(f"stopped by {what} at step {self.step}, checkpoint saved: continue with --from_resume 1")
+        else:
+            self.log(f"done: {self.output} (step {self.step})")
