@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -482,3 +483,42 @@ def test_two_nodes_on_localhost_train_save_once_and_resume(tmp_path):
     assert read_manifest(str(tmp_path / "node0" / "out" / "pretrain_tiny"), "weights")["step"] == 6
     assert files_in(tmp_path / "node0" / "ckpt") == ["pretrain_tiny_resume.json",
                                                      "pretrain_tiny_resume.step00000006.pt"]
+
+
+def test_resuming_with_a_longer_schedule_trains_on_and_says_so(tmp_path, monkeypatch):
+    """The most common reason to resume: train longer. A larger --max_steps or --epochs continues (one log line says
+    the schedule ends later); a smaller one, or another learning rate, is still a recipe change."""
+    common = ["--num_samples", "8", "--batch_size", "4", "--save_interval", "1", *QUIET,
+              "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")]
+    metrics = tmp_path / "out" / "pretrain_tiny_metrics.jsonl"
+    step, _ = run_in_process(train_pretrain, common + ["--max_steps", "2"], monkeypatch)
+    assert step == 2
+    step, messages = run_in_process(train_pretrain, common + ["--max_steps", "3", "--from_resume", "1"], monkeypatch)
+    assert step == 3 and "the schedule now ends at step 3 (it was to end at step 2): the learning rate follows the " \
+        "longer schedule from here" in messages and not any("--force_resume" in m for m in messages)
+    assert metric_steps(metrics) == [1, 2, 3]
+    for change, refused in ((["--max_steps", "2"], "--max_steps 3 (saved) vs 2 (now)"),
+                            (["--max_steps", "4", "--learning_rate", "2e-3"],
+                             "--learning_rate 0.001 (saved) vs 0.002 (now)")):
+        with pytest.raises(UserError, match=rf"cannot resume with changed settings: {re.escape(refused)} \(pass "
+                                            r"--force_resume 1"):
+            run_in_process(train_pretrain, common + change + ["--from_resume", "1"], monkeypatch)
+    # what counts is where the schedule ends: 3 epochs of 2 steps end at step 6, after the 3 steps taken ...
+    step, messages = run_in_process(train_pretrain, common + ["--max_steps", "0", "--epochs", "3", "--from_resume",
+                                                              "1"], monkeypatch)
+    assert step == 6 and "the schedule now ends at step 6 (it was to end at step 3): the learning rate follows the " \
+        "longer schedule from here" in messages
+    # ... so --max_steps 5, a larger number than 0, still ends earlier than 3 epochs: a recipe change
+    with pytest.raises(UserError, match=r"--max_steps 0 \(saved\) vs 5 \(now\) \(pass --force_resume 1"):
+        run_in_process(train_pretrain, common + ["--max_steps", "5", "--epochs", "3", "--from_resume", "1"],
+                       monkeypatch)
+    step, messages = run_in_process(train_pretrain, common + ["--max_steps", "0", "--epochs", "4", "--from_resume",
+                                                              "1"], monkeypatch)
+    assert step == 8 and "the schedule now ends at step 8 (it was to end at step 6): the learning rate follows the " \
+        "longer schedule from here" in messages
+    assert metric_steps(metrics) == list(range(1, 9))
+
+
+def metric_steps(path):
+    with open(path) as f:
+        return [json.loads(line)["step"] for line in f]

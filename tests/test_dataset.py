@@ -348,3 +348,24 @@ def test_builtin_in_a_new_colour_draws_and_names_only_that_colour():
         ShapesDataset("train", 4, 32).describe(0)
     with pytest.raises(DatasetError, match="--data builtin:mauve: unknown colour mauve"):
         build_dataset("builtin:mauve", 32, log=lambda msg: None)
+
+
+def test_files_of_other_types_are_counted_in_the_summary_not_passed_over_in_silence(tmp_path):
+    """An animated .gif with its caption, a stray caption and a notes file: none of them trains, and the summary line
+    says so, by kind."""
+    save_png(tmp_path / "kept.png", Image.new("RGB", (16, 16), (200, 0, 0)))
+    (tmp_path / "kept.txt").write_text("a red square")
+    frames = [Image.new("RGB", (16, 16), color) for color in ((255, 0, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "moving.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    (tmp_path / "moving.txt").write_text("a blinking square")
+    (tmp_path / "notes.md").write_text("not an image")
+    lines = []
+    dataset = ImageCaptionDataset(str(tmp_path), 16, log=lines.append)
+    assert len(dataset) == 1 and dataset.ignored == {".gif": 1, ".md": 1, ".txt without an image": 1}
+    assert lines == [dataset.summary] and "1 images, 0 skipped, not read: 1 .gif, 1 .md, 1 .txt without an image " \
+        "(images must be .png, .jpg, .jpeg, .webp), 0 without caption" in lines[0]
+    only_gif = tmp_path / "only_gif"
+    only_gif.mkdir()
+    frames[0].save(only_gif / "moving.gif", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    with pytest.raises(DatasetError, match=r"no images found in .*only_gif \(found 1 \.gif\)"):
+        ImageCaptionDataset(str(only_gif), 16)

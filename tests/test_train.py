@@ -283,3 +283,27 @@ def test_built_in_components_train_the_same_from_the_cache(tmp_path, monkeypatch
         losses[cache] = [row["loss"] for row in map(json.loads, open(run_dir / "out" / "pretrain_tiny_metrics.jsonl"))]
     assert len(list((tmp_path / "1" / "c").glob("*/index.json"))) == 1 and not (tmp_path / "0" / "c").exists()
     assert len(losses["1"]) == 4 and losses["1"] == pytest.approx(losses["0"], rel=1e-5)
+
+
+@pytest.mark.parametrize("module", ["train_pretrain", "train_full_sft", "train_lora"])
+def test_a_bad_number_is_one_line_naming_the_argument(module, capsys):
+    """Every numeric hyperparameter is checked where it is declared: no ZeroDivisionError or optimizer traceback
+    later, and nothing to train (--epochs 0) is an error, not an export of untrained weights."""
+    parse_args = __import__(f"trainer.{module}", fromlist=["parse_args"]).parse_args
+    cases = [("--batch_size", "0"), ("--accumulation_steps", "0"), ("--learning_rate", "-1"), ("--epochs", "0"),
+             ("--warmup_steps", "-3"), ("--caption_dropout", "1.5"), ("--ema_decay", "1"), ("--grad_clip", "nan"),
+             ("--resolution", "0"), ("--save_interval", "0"), ("--buckets", "4"), ("--learning_rate", "fast")]
+    for flag, value in cases:
+        with pytest.raises(SystemExit) as exit_code:
+            parse_args([flag, value])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_code.value.code == 2 and len(lines) == 1, (flag, lines)
+        assert lines[0].startswith(f"error: argument {flag}: ") and value in lines[0], lines[0]
+
+
+def test_a_bad_number_ends_the_script_with_one_line(tmp_path):
+    result = run(["trainer/train_pretrain.py", "--batch_size", "0", "--out_dir", str(tmp_path)], check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == ["error: argument --batch_size: must be a whole number >= 1, got 0 "
+                                                  "(see --help)"]
+    assert not os.path.exists(tmp_path / "pretrain_tiny.json")

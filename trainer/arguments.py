@@ -3,8 +3,8 @@ resume treats it (the group is where the argument is declared, and what --help s
 
     identity  what the run is (preset, resolution, data, prediction...): resuming with another value is refused
     recipe    how it trains (learning rate, batch, loss...): another value on resume needs --force_resume 1
-    length    how long it trains (--epochs, --max_steps): a larger value continues the run, a smaller one is a
-              recipe change
+    length    how long it trains (--epochs, --max_steps): a change that ends the schedule later continues the
+              run; one that ends it earlier is a recipe change
     free      what changes nothing that is trained (sampling, intervals): free to change on resume
 
 This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value

@@ -119,6 +119,8 @@ def main(argv=None):
     train_model = ddp(model, info)
     run.start(dataset, components, prompts, manifest_path(stem), first_grid=sample_model, model=model,
               optimizer=optimizer, ema=ema)  # a fresh run's first grid shows the starting weights
+    # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
+    # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):
         lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
         loss = run.backward(batches, lambda b: flow_matching_loss(train_model, components, b, run.generator, args))

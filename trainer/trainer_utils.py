@@ -191,11 +191,12 @@ def find_resume(from_resume, default_stem, info):
     return stem, state
 
 
-def check_resume(state, args, stage, dataset_size, identity=None):
+def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=False):
     """Raise a one-line UserError if `state` cannot continue this run; -> the recipe changes accepted by
     --force_resume (empty when nothing changed). How each argument is treated, args.resume_kinds says
-    (trainer/arguments.py): a larger length (--max_steps, --epochs) is no recipe change, a smaller one is.
-    `identity`: what is trained (e.g. the LoRA's base weights), which must match."""
+    (trainer/arguments.py). `not_shorter`: the schedule does not end earlier than the saved one, so changed lengths
+    (--max_steps, --epochs) are no recipe change. `identity`: what is trained (e.g. the LoRA's base weights),
+    which must match."""
     if not isinstance(state, dict) or state.get("kind") != "resume":
         raise UserError("the resume file is not a MiniSD3 resume checkpoint")
     if state["stage"] != stage:
@@ -205,7 +206,8 @@ def check_resume(state, args, stage, dataset_size, identity=None):
         raise UserError(f"the resume checkpoint trained {json.dumps(saved_identity)}, this run would train "
                         f"{json.dumps(identity)}: resume from what it started with, or start a fresh run")
     saved, now, kinds = state["args"], vars(args), args.resume_kinds
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and kinds.get(k) != "free")
+    # an argument this stage no longer has changes nothing; one it has that the file lacks is compared as None
+    changed = sorted(k for k in now if saved.get(k) != now[k] and kinds.get(k) != "free")
 
     def change(k):
         return f"--{k} {saved.get(k)} (saved) vs {now.get(k)} (now)"
@@ -214,7 +216,7 @@ def check_resume(state, args, stage, dataset_size, identity=None):
     if identity:
         raise UserError("cannot resume, the run was started with other settings: " + "; ".join(identity) +
                         " (start a fresh run to change them)")
-    recipe = [change(k) for k in changed if not (kinds.get(k) == "length" and now[k] > saved.get(k, now[k]))]
+    recipe = [change(k) for k in changed if not (kinds.get(k) == "length" and not_shorter)]
     if state["dataset_size"] != dataset_size:
         recipe.append(f"dataset size {state['dataset_size']} (saved) vs {dataset_size} (now)")
     if recipe and not args.force_resume:

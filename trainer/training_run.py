@@ -2,9 +2,9 @@
 holds (its networks, optimizers and EMAs: anything with state_dict() and load_state_dict()) and loops:
 
     run.start(dataset, components, prompts, output, model=model, optimizer=optimizer, ema=ema)
-    for micro_batches in run.steps(train_model):
+    for batches in run.steps(train_model):
         lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        loss = run.backward(micro_batches, lambda batch: <the stage's loss of one micro-batch>)
+        loss = run.backward(batches, lambda batch: <the stage's loss of one micro-batch>)
         grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)
         run.end_step(export, sample_model, loss=loss, lr=lr, grad_norm=grad_norm)
 
@@ -39,6 +39,8 @@ NAN_STEPS_LIMIT = 10  # this many non-finite losses in a row stop the run
 
 
 class TrainingRun:
+    """The bookkeeper of one run (the module's docstring shows how a stage uses it)."""
+
     def __init__(self, args, info, stage, name):
         self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
         self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
@@ -79,6 +81,7 @@ class TrainingRun:
             for stem in (stem_of(output), self.resume_stem, os.path.join(self.args.out_dir, "samples", self.name)):
                 remove_leftovers(stem)
         resume_from, state = find_resume(str(self.args.from_resume), self.resume_stem, self.info)
+        self._plan(state)
         if state is not None:
             self._resume(state, manifest_path(resume_from))
         elif self.args.from_resume == "1":
@@ -86,14 +89,22 @@ class TrainingRun:
         elif os.path.exists(manifest_path(self.resume_stem)):
             self.log(f"warning: starting a fresh run; the resume checkpoint at {manifest_path(self.resume_stem)} "
                      "will be replaced at the first save (pass --from_resume 1 to continue it instead)")
-        self._plan(state)
         self._open_logs()
         if first_grid is not None and not self.resumed:
             self.sample_grid(first_grid)
 
     def _resume(self, state, where):
-        for change in check_resume(state, self.args, self.stage, len(self.dataset), self.identity):
+        saved_plan = self._planned_steps(argparse.Namespace(**state["args"]))
+        for change in check_resume(state, self.args, self.stage, len(self.dataset), self.identity,
+                                   not_shorter=self.plan_steps >= saved_plan):
             self.log(f"warning: resuming with a changed setting (--force_resume): {change}")
+        if isinstance(self.sampler, BucketSampler) and state["args"]["batch_size"] != self.args.batch_size:
+            raise UserError(f"cannot resume bucketed data with --batch_size {self.args.batch_size}: its epochs are "
+                            f"planned in micro-batches of {state['args']['batch_size']} (change "
+                            "--accumulation_steps instead)")
+        if self.plan_steps > saved_plan:
+            self.log(f"the schedule now ends at step {self.plan_steps} (it was to end at step {saved_plan}): the "
+                     "learning rate follows the longer schedule from here")
         try:
             for name, obj in self.tracked.items():
                 if obj is not None:
@@ -102,8 +113,7 @@ class TrainingRun:
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
         self.resumed = True
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
-        self.samples_seen, self.plan_batch = state["samples_seen"], state["plan_batch"]
-        self.wandb_id = state["wandb_id"]
+        self.samples_seen, self.wandb_id = state["samples_seen"], state["wandb_id"]
         if state["world_size"] == self.info.world_size and state["global_batch"] == self.global_batch:
             set_rng_state(state["rng"][self.info.rank], self.generator, self.device)
         else:  # the data position carries over exactly; the noise stream restarts, seeded by step and rank
@@ -117,17 +127,12 @@ class TrainingRun:
         return args.max_steps if args.max_steps > 0 else args.epochs * self.sampler.steps_left(0, self.plan_batch)
 
     def _plan(self, state):
+        """The data order and the schedule: in steps of the global batch the run started with (plan_batch)."""
         a = self.args
         self.sampler = make_sampler(bucket_layout(self.dataset, a.resolution)[0], a.batch_size, self.info.rank,
                                     self.info.world_size, a.seed)
-        if isinstance(self.sampler, BucketSampler) and state is not None and \
-                state["args"]["batch_size"] != a.batch_size:
-            raise UserError(f"cannot resume bucketed data with --batch_size {a.batch_size}: its epochs are planned "
-                            f"in micro-batches of {state['args']['batch_size']} (change --accumulation_steps instead)")
+        self.plan_batch = state["plan_batch"] if state is not None else self.global_batch
         self.plan_steps = self._planned_steps(a)
-        if state is not None and self.plan_steps > (before := self._planned_steps(argparse.Namespace(**state["args"]))):
-            self.log(f"the schedule now ends at step {self.plan_steps} (it was to end at step {before}): the "
-                     "learning rate follows the longer schedule from here")
         self.total_samples = self.plan_steps * self.plan_batch
 
     def _open_logs(self):
