@@ -68,7 +68,8 @@ def parse_args(argv=None):
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
     recipe.add_argument("--learning_rate", type=positive_float, default=2e-3, help="adapters take a high rate")
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=10)
-    recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="cosine decays to this fraction")
+    recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
+                        "along a cosine to this fraction of it (1 = constant)")
     recipe.add_argument("--weight_decay", type=non_negative_float, default=0.0)
     recipe.add_argument("--grad_clip", type=positive_float, default=1.0, help="max gradient norm")
     recipe.add_argument("--ema_decay", type=decay, default=0.0, help="EMA of the adapters, exported and sampled; "

@@ -105,11 +105,14 @@ class TrainingRun:
         if self.plan_steps > saved_plan:
             self.log(f"the schedule now ends at step {self.plan_steps} (it was to end at step {saved_plan}): the "
                      "learning rate follows the longer schedule from here")
+        missing = [name for name, obj in self.tracked.items() if obj is not None and name not in state]
+        if missing:
+            raise UserError(f"{where} holds no {', '.join(missing)}: it was saved by another kind of run")
         try:
             for name, obj in self.tracked.items():
                 if obj is not None:
                     obj.load_state_dict(state[name])
-        except (KeyError, ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
+        except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
         self.resumed = True
         self.step, self.epoch, self.consumed = state["step"], state["epoch"], state["consumed"]
