@@ -277,7 +277,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path
     step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1), monkeypatch)
     assert step == 5 and "stopped by SIGTERM at step 5, checkpoint saved" in messages[-1]
     assert read_manifest(str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == 5
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after train() returns
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after the run returns
     step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1")
     assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
     whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
