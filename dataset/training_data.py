@@ -54,20 +54,19 @@ def sample_prompts_for(dataset, prompt_file=None, count=8):
     return [c for c in dict.fromkeys(picks) if c] + [""]
 
 
-def check_image_sizes(resolution, dataset, config, components):
+def check_image_sizes(resolution, dataset, model, components):
     """Every image size must be a whole number of patches in latent space and fit the model's position table:
     one line now, not a traceback at the first step."""
-    multiple = components.downscale * config.patch_size
+    multiple = components.downscale * model.config.patch_size
     for width, height in bucket_layout(dataset, resolution)[1]:
         what = f"--resolution {resolution}" + ("" if width == height == resolution else f" (bucket {width}x{height})")
         if width % multiple or height % multiple:
             raise UserError(f"{what}: image sides must be multiples of {multiple} (autoencoder downscale "
-                            f"{components.downscale} x patch size {config.patch_size})")
-        grid = (height // multiple, width // multiple)
-        if max(grid) > config.pos_embed_max_size:
-            raise UserError(f"{what}: latent grid {grid[0]}x{grid[1]} patches exceeds the position table "
-                            f"({config.pos_embed_max_size}x{config.pos_embed_max_size}): use a smaller resolution or "
-                            "a model with a larger pos_embed_max_size")
+                            f"{components.downscale} x patch size {model.config.patch_size})")
+        try:
+            model.pos_embed.cropped_table(height // multiple, width // multiple)
+        except ValueError as e:
+            raise UserError(f"{what}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

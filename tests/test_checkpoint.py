@@ -27,6 +27,7 @@ from model.weights import load_weights, save_weights
 from trainer.trainer_utils import StopSignal, check_resume, lr_at
 
 from tests.scripts import ENV, REPO, command, run, run_in_process
+from tests.test_train import metric_steps
 
 SCRIPT = "trainer/train_pretrain.py"
 QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
@@ -517,8 +518,3 @@ def test_resuming_with_a_longer_schedule_trains_on_and_says_so(tmp_path, monkeyp
     assert step == 8 and "the schedule now ends at step 8 (it was to end at step 6): the learning rate follows the " \
         "longer schedule from here" in messages
     assert metric_steps(metrics) == list(range(1, 9))
-
-
-def metric_steps(path):
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f]

@@ -76,7 +76,6 @@ def checked(kind, test, what):
         if not test(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
         return value
-    parse.__name__ = what
     return parse
 
 

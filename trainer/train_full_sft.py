@@ -95,7 +95,7 @@ def main(argv=None):
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     model.to(info.device).train()
     components.to(info.device)
-    check_image_sizes(args.resolution, dataset, model.config, components)
+    check_image_sizes(args.resolution, dataset, model, components)
     if args.export_pipeline:
         check_pipeline_export(components, args.prediction)
     dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)

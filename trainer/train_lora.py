@@ -130,7 +130,7 @@ def main(argv=None):
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     model.to(info.device).train()
     components.to(info.device)
-    check_image_sizes(args.resolution, dataset, model.config, components)
+    check_image_sizes(args.resolution, dataset, model, components)
     dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
     if dataset is None:  # --cache_only: the cache is built
         return
@@ -139,10 +139,10 @@ def main(argv=None):
     adapters, params = LoRAWeights(model), [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(adapters, args.ema_decay) if args.ema_decay > 0 else None
-    path, identity = lora_file(args.out_dir, args.lora_name, args.preset), weights_identity(base, args.out_dir)
+    path, base_identity = lora_file(args.out_dir, args.lora_name, args.preset), weights_identity(base, args.out_dir)
 
     def export(step):  # the adapters (their EMA if on) in diffusers' LoRA format, naming the base weights
-        record = run.weights_record(model.config, components, step=step, base=identity)
+        record = run.weights_record(model.config, components, step=step, base=base_identity)
         return save_lora(model, path, record, state=(ema or adapters).state_dict(),
                          dtype=SAVE_DTYPES[args.save_dtype])["bytes"]
 
@@ -150,7 +150,7 @@ def main(argv=None):
         return ema.averaged_copy(model, LoRAWeights) if ema else model
 
     train_model = ddp(model, info)
-    run.start(dataset, components, prompts, path, identity={"kind": "lora", "base": identity},
+    run.start(dataset, components, prompts, path, identity={"kind": "lora", "base": base_identity},
               first_grid=sample_model, model=adapters, optimizer=optimizer, ema=ema)  # step 0: the base model
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)

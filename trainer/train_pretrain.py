@@ -92,7 +92,7 @@ def main(argv=None):
     dataset = training_dataset(args, components, config.patch_size, run.log)
     prompts = sample_prompts_for(dataset, args.sample_prompts)
     model = SD3Light(config, gradient_checkpointing=bool(args.gradient_checkpointing)).to(info.device).train()
-    check_image_sizes(args.resolution, dataset, config, components)
+    check_image_sizes(args.resolution, dataset, model, components)
     if args.export_pipeline:
         check_pipeline_export(components, args.prediction)
     dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)

@@ -109,7 +109,10 @@ class EMA:
 
     def __init__(self, source, decay):
         self.source, self.decay = source, decay
-        self.shadow = {k: v.detach().float().clone() for k, v in source.state_dict().items()}
+        self.shadow = self.copy_of_source()
+
+    def copy_of_source(self):
+        return {k: v.detach().float().clone() for k, v in self.source.state_dict().items()}
 
     @torch.no_grad()
     def update(self, step):
@@ -125,7 +128,7 @@ class EMA:
 
     def load_state_dict(self, shadow):
         """The average a resume file holds; None (the run had no EMA so far): start from the source's weights."""
-        self.shadow = shadow if shadow is not None else EMA(self.source, self.decay).shadow
+        self.shadow = shadow if shadow is not None else self.copy_of_source()
 
     def averaged_copy(self, model, weights_of=lambda model: model):
         """A copy of `model` holding the average (in `weights_of(copy)`, e.g. its LoRA adapters): what the sample
