@@ -3,6 +3,7 @@
 The errors of the data (DatasetError), the cache (CacheError), the components (ComponentsError) and checkpoints
 (CheckpointError) are UserErrors, so `run_main` reports them all the same way.
 """
+import gc
 import sys
 
 
@@ -25,4 +26,8 @@ def run_main(main):
         sys.exit(130)
     finally:
         if dist.is_initialized():
+            # DDP holds reference cycles: collected only at interpreter exit, after the process group is gone, it
+            # made gloo abort the process now and then ("terminate called without an active exception", exit -6)
+            # after a run that had finished. Collected here, while the group still exists, it goes quietly.
+            gc.collect()
             dist.destroy_process_group()
