@@ -16,6 +16,7 @@ one-line error instead of a crash deep in torch, and reads torch files with `wei
 import json
 import os
 import re
+import shutil
 
 import torch
 from safetensors import safe_open
@@ -68,15 +69,18 @@ def write_torch(path, state):
     return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
-def save_checkpoint(stem, step, record, parts):
+def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None):
     """Write `parts` ({suffix: state}: tensors for a '.safetensors' suffix, any weights-only state for '.pt') as
-    this step's files, verify them, then commit the manifest (`record` + the files' sizes and hashes) and delete
-    older files. -> total bytes written."""
-    files = {}
+    this step's files, verify them, then commit the manifest (`record` + the files' sizes and hashes, and the
+    entries of files already `written` and verified by others: a sharded run's shard folder) and delete older
+    files. `float_dtype`: the dtype of every floating-point tensor in the '.safetensors' part (the weights).
+    -> total bytes written."""
+    files = dict(written or {})
     for suffix, payload in parts.items():
         path = step_file(stem, step, suffix)
         if suffix.endswith(".safetensors"):
-            entry = write_safetensors(path, payload, metadata={"step": str(step)})
+            declared = float_dtype if suffix == ".safetensors" else None
+            entry = write_safetensors(path, payload, metadata={"step": str(step)}, float_dtype=declared)
         else:
             entry = write_torch(path, payload)
         files[os.path.basename(path)] = entry
@@ -85,8 +89,9 @@ def save_checkpoint(stem, step, record, parts):
     return sum(entry["bytes"] for entry in files.values())
 
 
-def read_manifest(stem, kind):
-    """-> the committed record of `stem`, its files checked (sizes and sha256); one-line errors otherwise."""
+def read_manifest(stem, kind, share=(0, 1)):
+    """-> the committed record of `stem`, its files checked (sizes, and sha256); one-line errors otherwise.
+    `share` = (rank, processes): processes that read one checkpoint together each hash a share of its files."""
     path = manifest_path(stem)
     if not os.path.exists(path):
         raise CheckpointError(f"no {kind} checkpoint at {path}")
@@ -101,7 +106,7 @@ def read_manifest(stem, kind):
     if record.get("kind") != kind:
         raise CheckpointError(f"{path} is a {record.get('kind', 'unknown')} checkpoint, not a {kind} checkpoint")
     directory = os.path.dirname(path)
-    for name, entry in record["files"].items():
+    for i, (name, entry) in enumerate(sorted(record["files"].items())):
         file = os.path.join(directory, name)
         if not os.path.exists(file):
             raise CheckpointError(f"{file}, named by {path}, is missing")
@@ -109,7 +114,7 @@ def read_manifest(stem, kind):
         if size != entry["bytes"]:
             raise CheckpointError(f"{file} has {size} bytes but its manifest says {entry['bytes']}: it was "
                                   "truncated or replaced")
-        if sha256_of(file) != entry["sha256"]:
+        if i % share[1] == share[0] and sha256_of(file) != entry["sha256"]:
             raise CheckpointError(f"{file} does not match the sha256 in {path}: it was altered or corrupted")
     return record
 
@@ -133,7 +138,8 @@ def load_safetensors(path):
 
 def remove_leftovers(stem):
     """Delete the files under `stem` that its manifest does not name: temp files of interrupted writes
-    ('.tmp-<name>...') and step files of older or uncommitted saves. Other files are never touched."""
+    ('.tmp-<name>...') and step files (or shard folders) of older or uncommitted saves. Other files are never
+    touched."""
     directory, base = os.path.split(stem)
     directory = directory or "."
     if not os.path.isdir(directory):
@@ -142,13 +148,14 @@ def remove_leftovers(stem):
     if os.path.exists(manifest_path(stem)):
         try:
             with open(manifest_path(stem), encoding="utf-8") as f:
-                keep = set(json.load(f).get("files", {}))
+                keep = {name.split("/")[0] for name in json.load(f).get("files", {})}  # a shard's folder
         except (OSError, ValueError, AttributeError):
             return []  # an unreadable manifest: leave everything for the user to look at
     ours = re.compile(re.escape(base) + r"\.step\d+\..+")
     removed = []
     for name in os.listdir(directory):
         if name.startswith(f".tmp-{base}") or (ours.fullmatch(name) and name not in keep):
-            os.remove(os.path.join(directory, name))
+            path = os.path.join(directory, name)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             removed.append(name)
     return removed

@@ -73,10 +73,15 @@ def tensors_equal(a, b):
     return torch.equal(a, b)
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """Write, read back (memory-mapped) and compare every tensor; -> the manifest entry."""
+def write_safetensors(path, tensors, metadata=None, float_dtype=None):
+    """Write, read back (memory-mapped) and compare every tensor; -> the manifest entry. `float_dtype`: the dtype
+    the file declares, which every floating-point tensor must have (no silent fp32/bf16 mix)."""
     if not tensors:
         raise RuntimeError(f"refusing to write an empty state dict to {path}")
+    mixed = sorted(k for k, v in tensors.items() if float_dtype and v.is_floating_point() and v.dtype != float_dtype)
+    if mixed:
+        raise RuntimeError(f"refusing to write {path}: {mixed[0]} is {tensors[mixed[0]].dtype}, not the declared "
+                           f"{float_dtype} ({len(mixed)} such tensors)")
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
     with safe_open(path, framework="pt") as f:

@@ -216,7 +216,7 @@ def save_lora(model, path, record=None, state=None, dtype=None):
         state = own
     check_lora_fits(own, state)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
-    return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record))
+    return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record), float_dtype=dtype)
 
 
 def read_lora_file(path):

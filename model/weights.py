@@ -72,7 +72,7 @@ def save_weights(stem, step, model, state, components_state, record, dtype):
     parts = {".safetensors": tensors}
     if components_state:
         parts[".components.safetensors"] = {k: v.detach().contiguous().cpu() for k, v in components_state.items()}
-    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts)
+    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts, float_dtype=dtype)
 
 
 def check_pipeline_export(components, prediction):

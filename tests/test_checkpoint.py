@@ -112,6 +112,17 @@ def test_an_empty_or_incomplete_state_is_refused_before_anything_is_replaced(tmp
     assert all(torch.equal(v.bfloat16().float(), loaded.state_dict()[k]) for k, v in full.items())
 
 
+def test_weights_in_another_dtype_than_declared_are_refused_before_anything_is_written(tmp_path):
+    """An fp32 tensor among bf16 weights (what FSDP's upcasting has produced elsewhere) never reaches the disk."""
+    mixed = {"a": torch.ones(2, dtype=torch.bfloat16), "b": torch.ones(2), "steps": torch.ones(2, dtype=torch.long)}
+    with pytest.raises(RuntimeError, match=r"b is torch.float32, not the declared torch.bfloat16 \(1 such tensors\)"):
+        save_checkpoint(str(tmp_path / "run"), 1, {"kind": "weights"}, {".safetensors": mixed},
+                        float_dtype=torch.bfloat16)
+    assert files_in(tmp_path) == []
+    mixed["b"] = mixed["b"].bfloat16()  # integers keep their own dtype
+    save_checkpoint(str(tmp_path / "run"), 1, {"kind": "weights"}, {".safetensors": mixed}, float_dtype=torch.bfloat16)
+
+
 def test_a_write_that_reads_back_wrong_is_caught_and_never_committed(tmp_path, monkeypatch):
     stem = str(tmp_path / "run")
     save_checkpoint(stem, 1, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
@@ -328,12 +339,12 @@ def wait_for_step(proc, metrics_path, step, timeout=120):
 
 
 def uncommitted(directory, stem_name):
-    """Files a killed save left: temp files and step files the manifest does not name. A run killed before it
-    made its folder left nothing."""
+    """Files a killed save left: temp files and step files (or shard folders) the manifest does not name. A run
+    killed before it made its folder left nothing."""
     if not os.path.isdir(directory):
         return []
     manifest = os.path.join(directory, stem_name + ".json")
-    named = set(json.load(open(manifest))["files"]) if os.path.exists(manifest) else set()
+    named = {n.split("/")[0] for n in json.load(open(manifest))["files"]} if os.path.exists(manifest) else set()
     return [n for n in os.listdir(directory) if n.startswith(".tmp-") or
             (n.startswith(stem_name + ".step") and n not in named)]
 

@@ -9,7 +9,7 @@ resume treats it (the group is where the argument is declared, and what --help s
 
 This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value
 is one line naming the argument, and the plumbing that every stage shares and nobody tunes (--base, --data,
-paths, resume, cache, intervals, workers, dtype, wandb).
+paths, resume, cache, intervals, workers, dtype, sharding, wandb).
 """
 import argparse
 import math
@@ -132,6 +132,12 @@ def add_plumbing_args(parser, data="builtin"):
     a("--num_workers", type=non_negative_int, default=0, help="data loader processes (0 on a small CPU)")
     a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="autocast; auto = bf16 on GPU, fp32 on CPU")
     a("--gradient_checkpointing", type=switch, default=0, help="1 = recompute each block in backward (less memory)")
+    a("--compile", type=switch, default=0, help="1 = torch.compile each transformer block (faster steps on a GPU, "
+      "after a first step that compiles)")
+    a("--fsdp", type=switch, default=0, help="1 = shard weights, gradients and AdamW state over the processes "
+      "(FSDP2) instead of a whole copy on each (DDP): for models that do not fit one GPU with their optimizer")
+    a("--fsdp_shard_size", type=non_negative_int, default=0, help="with --fsdp: shard within groups of this many "
+      "processes (e.g. one node's GPUs) and replicate across groups (hybrid sharding); 0 = shard over all")
     a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")
     a("--wandb_project", default="MiniSD3")
     return parser

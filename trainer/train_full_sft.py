@@ -13,6 +13,7 @@ files it names, sample grids in out/samples/ (step 0 shows the starting weights)
 out/sft_<preset>_metrics.jsonl and the resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM
 or Ctrl-C; continue with --from_resume 1.
 """
+import contextlib
 import os
 import sys
 
@@ -28,11 +29,12 @@ from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import check_pipeline_export, export_weights, load_start_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, decay, finite_float, non_negative_float, non_negative_int,
-    positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
+    non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
-from trainer.trainer_utils import EMA, ddp, init_distributed  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
 
@@ -81,7 +83,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    info = init_distributed()
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
     run = TrainingRun(args, info, "sft", run_name("sft", args.preset))
     torch.manual_seed(args.seed)
 
@@ -102,24 +104,25 @@ def main(argv=None):
     if dataset is None:  # --cache_only: the cache is built
         return
 
-    # Every weight trains, with AdamW (fused: one kernel for all parameters); the EMA starts at the weights
+    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for all
+    # parameters); the EMA starts at the weights
+    train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
     stem = os.path.join(args.out_dir, run.name)
 
-    def export(step):  # the EMA weights (else the raw ones), a diffusers folder for v, what they came from
+    def export(step, weights):  # the EMA weights (else the raw ones), a diffusers folder for v, what they came from
         record = run.weights_record(model.config, components, started_from={"weights": start["manifest"],
                                                                             "step": start["step"]})
-        return export_weights(stem, step, model, (ema or model).state_dict(), components, record,
-                              SAVE_DTYPES[args.save_dtype], args.export_pipeline)
+        return export_weights(stem, step, model, weights, components, record, SAVE_DTYPES[args.save_dtype],
+                              args.export_pipeline)
 
     def sample_model():
-        return ema.averaged_copy(model) if ema else model
+        return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
 
-    train_model = ddp(model, info)
-    run.start(dataset, components, prompts, manifest_path(stem), first_grid=sample_model, model=model,
-              optimizer=optimizer, ema=ema)  # a fresh run's first grid shows the starting weights
+    run.start(dataset, components, prompts, manifest_path(stem), exported=ema or model, first_grid=sample_model,
+              model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)  # step 0: the starting weights
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):

@@ -17,6 +17,7 @@ checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 
     python eval/eval_sample.py --lora demo --prompt "a large white star in the center"
 """
+import contextlib
 import os
 import re
 import sys
@@ -33,11 +34,12 @@ from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import load_start_weights, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, decay, finite_float, non_negative_float, non_negative_int,
-    positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
+    non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
-from trainer.trainer_utils import EMA, ddp, init_distributed  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
 
@@ -110,7 +112,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.lora_name):
         raise UserError(f"--lora_name {args.lora_name!r}: use letters, digits, '-' and '_' only (it names a file)")
-    info = init_distributed()
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
     run = TrainingRun(args, info, "lora", lora_run_name(args.lora_name, args.preset))
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
@@ -135,23 +137,24 @@ def main(argv=None):
     if dataset is None:  # --cache_only: the cache is built
         return
 
-    # Only the adapters train (the base is frozen), with AdamW; the resume checkpoint and the EMA hold them alone
+    # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW; the
+    # resume checkpoint and the EMA hold them alone
+    train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     adapters, params = LoRAWeights(model), [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(adapters, args.ema_decay) if args.ema_decay > 0 else None
     path, base_identity = lora_file(args.out_dir, args.lora_name, args.preset), weights_identity(base, args.out_dir)
 
-    def export(step):  # the adapters (their EMA if on) in diffusers' LoRA format, naming the base weights
+    def export(step, weights):  # the adapters (their EMA if on) in diffusers' LoRA format, naming the base weights
         record = run.weights_record(model.config, components, step=step, base=base_identity)
-        return save_lora(model, path, record, state=(ema or adapters).state_dict(),
-                         dtype=SAVE_DTYPES[args.save_dtype])["bytes"]
+        return save_lora(model, path, record, state=weights, dtype=SAVE_DTYPES[args.save_dtype])["bytes"]
 
-    def sample_model():
-        return ema.averaged_copy(model, LoRAWeights) if ema else model
+    def sample_model():  # the grids show what is exported: the adapters' EMA swapped in while they are drawn
+        return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
 
-    train_model = ddp(model, info)
-    run.start(dataset, components, prompts, path, identity={"kind": "lora", "base": base_identity},
-              first_grid=sample_model, model=adapters, optimizer=optimizer, ema=ema)  # step 0: the base model
+    run.start(dataset, components, prompts, path, exported=ema or adapters, identity={"kind": "lora",
+              "base": base_identity}, first_grid=sample_model, model=adapters,
+              optimizer=NamedOptimizerState(model, optimizer), ema=ema)  # step 0: the base model
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):

@@ -13,6 +13,7 @@ in out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in
 out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its
 file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 """
+import contextlib
 import os
 import sys
 
@@ -29,11 +30,12 @@ from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import check_pipeline_export, export_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, decay, finite_float, non_negative_float, non_negative_int,
-    positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
+    non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
-from trainer.trainer_utils import EMA, ddp, init_distributed  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
 
@@ -81,7 +83,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    info = init_distributed()
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
     run = TrainingRun(args, info, "pretrain", run_name("pretrain", args.preset))
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     args.prediction = args.prediction or ("v" if args.base else "x")
@@ -99,22 +101,23 @@ def main(argv=None):
     if dataset is None:  # --cache_only: the cache is built
         return run.step
 
-    # Every weight trains, with AdamW (fused: one kernel for all parameters, on a CPU too); an EMA follows them
+    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for all
+    # parameters, on a CPU too); an EMA follows them
+    train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
     stem = os.path.join(args.out_dir, run.name)
 
-    def export(step):  # the EMA weights (else the raw ones) in --save_dtype, and a diffusers folder for v
-        return export_weights(stem, step, model, (ema or model).state_dict(), components,
-                              run.weights_record(config, components), SAVE_DTYPES[args.save_dtype],
-                              args.export_pipeline)
+    def export(step, weights):  # the EMA weights (else the raw ones) in --save_dtype, and a diffusers folder for v
+        return export_weights(stem, step, model, weights, components, run.weights_record(config, components),
+                              SAVE_DTYPES[args.save_dtype], args.export_pipeline)
 
-    def sample_model():  # the sample grids show what is exported
-        return ema.averaged_copy(model) if ema else model
+    def sample_model():  # the sample grids show what is exported: the EMA swapped in while they are drawn
+        return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
 
-    train_model = ddp(model, info)
-    run.start(dataset, components, prompts, manifest_path(stem), model=model, optimizer=optimizer, ema=ema)
+    run.start(dataset, components, prompts, manifest_path(stem), exported=ema or model, model=model,
+              optimizer=NamedOptimizerState(model, optimizer), ema=ema)
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):

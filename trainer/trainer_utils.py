@@ -3,7 +3,7 @@ learning-rate schedule, EMA, random states, and finding and checking a resume. T
 together for a run (data position, save / resume / sample-grid cadence) is trainer/training_run.py. Nothing here
 computes a loss or builds an optimizer: the stage script does both.
 """
-import copy
+import contextlib
 import json
 import math
 import os
@@ -28,22 +28,45 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    mesh: object = None  # the device mesh FSDP shards over (--fsdp 1), else None
 
     @property
     def is_main(self):
         return self.rank == 0
 
+    @property
+    def sharded(self):
+        return self.mesh is not None
 
-def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE: NCCL on CUDA, gloo on CPU. Plain `python` runs as one process."""
+
+def init_distributed(fsdp=0, shard_size=0):
+    """torchrun sets RANK/WORLD_SIZE: NCCL on CUDA, gloo on CPU. Plain `python` runs as one process. With `fsdp`, a
+    device mesh to shard over: every process holds a shard, or with `shard_size` the processes form groups of
+    that size that shard within and replicate across (hybrid sharding: a group per node). Checked first: a bad
+    size is one line before any work."""
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:
-        return DistInfo(device=torch.device("cuda" if cuda else "cpu"))
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
-    if cuda:
+    env = "RANK" in os.environ
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if env else (0, 0, 1)
+    if shard_size and not fsdp:
+        raise UserError("--fsdp_shard_size shards the weights: it needs --fsdp 1")
+    if shard_size and world % shard_size:
+        raise UserError(f"--fsdp_shard_size {shard_size} does not divide the {world} process(es): use a divisor of "
+                        f"{world}, e.g. the GPUs of one node, or 0 to shard over all")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu") if env else torch.device("cuda" if cuda else "cpu")
+    if env and cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
-    return DistInfo(rank, local_rank, world, torch.device(f"cuda:{local_rank}" if cuda else "cpu"))
+    if env:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    elif fsdp:  # FSDP on one process: a group of one
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        groups = world // shard_size if shard_size else 1
+        mesh = init_device_mesh(device.type, (groups, world // groups), mesh_dim_names=("replicate", "shard")) \
+            if groups > 1 else init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return DistInfo(rank, local_rank, world, device, mesh)
 
 
 def mean_and_any(value, flag, info):
@@ -53,13 +76,6 @@ def mean_and_any(value, flag, info):
     t = torch.tensor([value, float(flag)], dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
     return t[0].item() / info.world_size, t[1].item() > 0
-
-
-def ddp(model, info):
-    """The model as DDP wraps it for several processes (gradients all-reduced in backward), else itself."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model) if info.world_size > 1 else model
 
 
 class StopSignal:
@@ -130,12 +146,17 @@ class EMA:
         """The average a resume file holds; None (the run had no EMA so far): start from the source's weights."""
         self.shadow = shadow if shadow is not None else self.copy_of_source()
 
-    def averaged_copy(self, model, weights_of=lambda model: model):
-        """A copy of `model` holding the average (in `weights_of(copy)`, e.g. its LoRA adapters): what the sample
-        grids draw and the export holds."""
-        averaged = copy.deepcopy(model)
-        weights_of(averaged).load_state_dict(self.shadow)
-        return averaged
+    @contextlib.contextmanager
+    def swapped_in(self, model):
+        """`model` with the average in the source's place while the block runs (what the sample grids draw and
+        the export holds), then the trained weights back, bit for bit. No copy of the model: a sharded one works
+        too."""
+        trained = {k: v.detach().clone() for k, v in self.source.state_dict().items()}
+        self.source.load_state_dict(self.shadow)
+        try:
+            yield model
+        finally:
+            self.source.load_state_dict(trained)
 
 
 def rng_state(generator, device):
@@ -169,14 +190,16 @@ def to_cpu(obj):
 def find_resume(from_resume, default_stem, info):
     """-> (stem, state) of the resume checkpoint to continue, or (stem, None) to start fresh. `from_resume` is
     "0", "1" (the default checkpoint, if there is one) or a path. Every process reads the file itself, so the
-    save folder must be one that every node sees; if any process fails, all stop with a one-line error."""
+    save folder must be one that every node sees; the processes share the hashing of its files. If any process
+    fails, all stop with a one-line error."""
     if from_resume in ("0", ""):
         return default_stem, None
     stem = default_stem if from_resume == "1" else stem_of(from_resume)
     error, state = None, None
     try:
         if from_resume != "1" or os.path.exists(manifest_path(stem)):
-            state = load_torch(checkpoint_file(stem, read_manifest(stem, "resume"), ".pt"))
+            record = read_manifest(stem, "resume", share=(info.rank, info.world_size))
+            state = load_torch(checkpoint_file(stem, record, ".pt"))
     except CheckpointError as e:
         error = str(e)
     ok, found = error is None, state is not None

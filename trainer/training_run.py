@@ -1,7 +1,9 @@
 """TrainingRun, the bookkeeper of one run, the same in every stage. The stage names what the resume checkpoint
-holds (its networks, optimizers and EMAs: anything with state_dict() and load_state_dict()) and loops:
+holds (its networks, optimizers and EMAs: anything with state_dict() and load_state_dict()) and what its export
+writes, and loops:
 
-    run.start(dataset, components, prompts, output, model=model, optimizer=optimizer, ema=ema)
+    run.start(dataset, components, prompts, output, exported=ema or model, model=model,
+              optimizer=NamedOptimizerState(model, optimizer), ema=ema)
     for batches in run.steps(train_model):
         lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
         loss = run.backward(batches, lambda batch: <the stage's loss of one micro-batch>)
@@ -11,7 +13,10 @@ holds (its networks, optimizers and EMAs: anything with state_dict() and load_st
 It keeps the data position in samples (samples_seen; the epoch and `consumed`, the position in it) and the
 schedule in steps of the global batch the run started with (plan_batch), so a resume with another number of
 processes continues the same epoch and the same schedule. It writes the metrics, the resume checkpoint and the
-sample grids on their cadence; the stage's `export` writes its weights. Only rank 0 writes files.
+sample grids on their cadence; the stage's `export(step, weights)` writes the weights. Only rank 0 writes files,
+except in a sharded run (--fsdp 1), where every rank writes its shards of the resume checkpoint
+(trainer/sharded_checkpoint.py), the exported weights are gathered to rank 0, and every rank draws the sample
+grids (each forward needs them all).
 """
 import argparse
 import contextlib
@@ -23,13 +28,16 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from dataset.buckets import bucket_layout
 from dataset.samplers import BucketSampler, make_sampler
 from dataset.training_data import warn_truncated
 from eval.sampling import sample_images, save_grid
-from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of
+from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
+from trainer.parallel import NamedOptimizerState, conform, gathered, to_item
+from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import (
     StopSignal, check_resume, find_resume, ignore_sigint, lr_at, mean_and_any, rng_state, set_rng_state, to_cpu,
     truncate_metrics,
@@ -67,16 +75,17 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------------------------
     # Start: resume or start fresh, and plan
 
-    def start(self, dataset, components, prompts, output, identity=None, first_grid=None, **tracked):
+    def start(self, dataset, components, prompts, output, exported, identity=None, first_grid=None, **tracked):
         """Resume the named `tracked` objects from the resume checkpoint if asked (else start fresh) and plan the
-        run over `dataset`. `output`: what the stage exports (its manifest or file); `identity`: what is trained,
-        which a resume must match (by default the whole model); `first_grid`: a fresh run draws a step-0 sample
-        grid of `first_grid()` (a fine-tune's starting weights, to compare with)."""
+        run over `dataset`. `output`: what the stage exports (its manifest or file); `exported`: whose state_dict()
+        the export writes; `identity`: what is trained, which a resume must match (by default the whole model);
+        `first_grid`: a fresh run draws a step-0 sample grid with `first_grid()` (a fine-tune's starting weights,
+        to compare with)."""
         if len(dataset) < self.global_batch:
             raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
                             f"({self.global_batch} = batch_size x accumulation_steps x processes): lower --batch_size")
         self.dataset, self.components, self.prompts, self.output = dataset, components, prompts, output
-        self.tracked, self.identity = tracked, identity or {"kind": "full"}
+        self.tracked, self.exported, self.identity = tracked, exported, identity or {"kind": "full"}
         if self.info.is_main:  # whatever a killed run left half-written
             for stem in (stem_of(output), self.resume_stem, os.path.join(self.args.out_dir, "samples", self.name)):
                 remove_leftovers(stem)
@@ -109,9 +118,7 @@ class TrainingRun:
         if missing:
             raise UserError(f"{where} holds no {', '.join(missing)}: it was saved by another kind of run")
         try:
-            for name, obj in self.tracked.items():
-                if obj is not None:
-                    obj.load_state_dict(state[name])
+            self._restore(state, where)
         except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
         self.resumed = True
@@ -125,6 +132,20 @@ class TrainingRun:
                      f"{state['world_size']}, {state['global_batch']}): {self.samples_seen} samples seen, epoch "
                      f"{self.epoch} continues at sample {self.consumed} of its permutation")
         self.log(f"resumed {where} at step {self.step} (epoch {self.epoch}, {self.samples_seen} samples seen)")
+
+    def _restore(self, state, where):
+        """Load each tracked object's saved state, laid out as the run holds it now: whole tensors from the resume
+        file cut into this process's shards, or shards read from the DCP folder into any layout."""
+        current = {name: obj.state_dict() for name, obj in self.tracked.items()
+                   if obj is not None and state[name] is not None}
+        saved = {name: state[name] for name in current}
+        if state.get("shards"):
+            saved = read_shards(os.path.join(os.path.dirname(where), state["shards"]), saved, current, where)
+        else:
+            saved = conform(saved, current)
+        for name, obj in self.tracked.items():
+            if obj is not None:
+                obj.load_state_dict(saved.get(name))  # None: an EMA the saved run did not keep yet
 
     def _planned_steps(self, args):
         return args.max_steps if args.max_steps > 0 else args.epochs * self.sampler.steps_left(0, self.plan_batch)
@@ -150,12 +171,14 @@ class TrainingRun:
                                         config=vars(a), dir=a.out_dir,
                                         mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
             self.wandb_id = self.wandb_run.id
-        trainable = {id(p): p.numel() for obj in self.tracked.values() if isinstance(obj, torch.optim.Optimizer)
-                     for group in obj.param_groups for p in group["params"]}
+        trainable = {id(p): p.numel() for obj in self.tracked.values() if isinstance(obj, NamedOptimizerState)
+                     for group in obj.optimizer.param_groups for p in group["params"]}
         steps_left = math.ceil((self.total_samples - self.samples_seen) / self.global_batch)
+        how = f"FSDP over mesh {tuple(self.info.mesh.shape)}" if self.info.sharded else \
+            "DDP" if self.info.world_size > 1 else "one process"
         self.log(f"{self.stage}: {sum(trainable.values()) / 1e6:.1f}M trainable parameters, {len(self.dataset)} "
                  f"samples, global batch {self.global_batch}, {self.step + steps_left} steps, {self.info.world_size} "
-                 f"process(es) on {self.device.type}")
+                 f"process(es) on {self.device.type} ({how})")
         if self.info.is_main:
             from tqdm import tqdm
 
@@ -188,10 +211,13 @@ class TrainingRun:
             last = micro == self.args.accumulation_steps - 1
             ids, batch = next(loader)
             self.ids += ids
-            with contextlib.ExitStack() as no_sync:  # gradients are all-reduced once per step, on the last micro-batch
-                if not last and self.info.world_size > 1:
+            # DDP all-reduces gradients once per step, on the last micro-batch; FSDP reduce-scatters each one (its
+            # gradients stay sharded in between)
+            with contextlib.ExitStack() as no_sync:
+                if not last:
                     for model in models:
-                        no_sync.enter_context(model.no_sync())
+                        if isinstance(model, DistributedDataParallel):
+                            no_sync.enter_context(model.no_sync())
                 yield batch
 
     def schedule_lr(self, optimizer, base_lr, warmup_steps, min_lr_ratio):
@@ -216,18 +242,19 @@ class TrainingRun:
         return loss
 
     def optimizer_step(self, optimizer, params, loss, grad_clip, ema=None):
-        """Clip the gradients of `params`, step `optimizer` and update `ema`; -> the gradient norm. A loss that is
-        not finite (the same on every rank: it is averaged) skips the update instead, -> None; ten in a row stop
-        the run."""
-        if math.isfinite(loss):
+        """Clip the gradients of `params`, step `optimizer` and update `ema`; -> the gradient norm. A loss or a
+        gradient norm that is not finite (the same on every rank: both are global, sharded gradients included)
+        skips the update instead, -> None; ten in a row stop the run."""
+        grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if math.isfinite(loss) else None
+        if grad_norm is not None and math.isfinite(grad_norm):
             self.nan_streak = 0
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip).item()
             optimizer.step()
             if ema is not None:
                 ema.update(self.step)
         else:
+            what = f"loss is {loss}" if grad_norm is None else f"gradient norm is {grad_norm}"
             self.skipped, self.nan_streak, grad_norm = True, self.nan_streak + 1, None
-            self.log(f"warning: loss is {loss} at step {self.step}; update skipped ({self.nan_streak} in a row)")
+            self.log(f"warning: {what} at step {self.step}; update skipped ({self.nan_streak} in a row)")
             if self.nan_streak >= NAN_STEPS_LIMIT:
                 raise UserError(f"loss was not finite for {self.nan_streak} steps in a row (last good save in "
                                 f"{self.args.save_dir}): lower --learning_rate or check the data")
@@ -236,7 +263,7 @@ class TrainingRun:
 
     def end_step(self, export, sample_model, **metrics):
         """Count the step's samples, write its metrics (unless its update was skipped), then save (the resume
-        checkpoint, then `export(step)`, the stage's weights) and draw a sample grid of `sample_model()` when due:
+        checkpoint, then `export(step, weights)`) and draw a sample grid with `sample_model()` when due:
         every --save_interval / --sample_interval steps, at the end, and (saving only) on a stop signal."""
         self.consumed, self.samples_seen = self.consumed + self.global_batch, self.samples_seen + self.global_batch
         if self.args.log_sample_ids and self.info.world_size > 1:
@@ -273,28 +300,37 @@ class TrainingRun:
 
     def save(self, export):
         """The resume checkpoint (every tracked object, the data position, every rank's random streams), then the
-        stage's `export(step)` -> bytes: if the export is cut short, training can still continue."""
-        rng = [None] * self.info.world_size
+        stage's `export(step, weights)` with the exported object's weights, whole -> bytes: if the export is cut
+        short, training can still continue. A sharded run writes the tensors of the resume checkpoint as DCP
+        shards, every rank its own, and the manifest commits them with the rest."""
+        rng = [rng_state(self.generator, self.device)]
         if self.info.world_size > 1:
+            rng = [None] * self.info.world_size
             dist.all_gather_object(rng, rng_state(self.generator, self.device))
-        else:
-            rng = [rng_state(self.generator, self.device)]
-        if not self.info.is_main:
+        if not (self.info.is_main or self.info.sharded):
             return
         t0 = time.perf_counter()
         state = {"kind": "resume", "stage": self.stage, "step": self.step, "epoch": self.epoch,
                  "consumed": self.consumed, "samples_seen": self.samples_seen, "world_size": self.info.world_size,
                  "global_batch": self.global_batch, "plan_batch": self.plan_batch, "dataset_size": len(self.dataset),
-                 "trained": self.identity, "rng": to_cpu(rng), "wandb_id": self.wandb_id, "args": vars(self.args)}
+                 "trained": self.identity, "rng": to_cpu(rng), "wandb_id": self.wandb_id, "args": vars(self.args),
+                 "shards": None}
         clash = set(state) & set(self.tracked)
         if clash:
             raise ValueError(f"tracked names {sorted(clash)} are taken by the resume checkpoint's own keys")
-        state.update({name: to_cpu(obj.state_dict()) if obj is not None else None
-                      for name, obj in self.tracked.items()})
-        written = save_checkpoint(self.resume_stem, self.step, {"kind": "resume", "stage": self.stage,
-                                                                "preset": self.args.preset,
-                                                                "samples_seen": self.samples_seen}, {".pt": state})
-        written += export(self.step)
+        states = {name: obj.state_dict() if obj is not None else None for name, obj in self.tracked.items()}
+        shards = {}
+        if self.info.sharded:  # the tensors as DCP shards, the rest in the .pt
+            folder = step_file(self.resume_stem, self.step, ".dcp")
+            states, tensors = split_tensors(states)
+            shards, state["shards"] = write_shards(folder, tensors, self.info), os.path.basename(folder)
+        weights = gathered(self.exported.state_dict(), self.info)
+        if not self.info.is_main:
+            return
+        state.update(to_cpu(states))
+        record = {"kind": "resume", "stage": self.stage, "preset": self.args.preset, "samples_seen": self.samples_seen}
+        written = save_checkpoint(self.resume_stem, self.step, record, {".pt": state}, written=shards)
+        written += export(self.step, weights)
         self.log(f"saved step {self.step}: {written / 1e6:.0f} MB written and verified in "
                  f"{time.perf_counter() - t0:.1f} s")
 
@@ -308,14 +344,18 @@ class TrainingRun:
                 "args": vars(a)}
 
     def sample_grid(self, sample_model):
-        """Rank 0 draws the sample prompts with fixed noise from `sample_model()` into
-        out/samples/<run>_stepNNNNNN.png."""
-        if not self.info.is_main:
+        """Draw the sample prompts with fixed noise from the model `sample_model()` gives (a context: e.g. the EMA
+        weights swapped in while it lasts) into out/samples/<run>_stepNNNNNN.png: rank 0 alone, or every rank of a
+        sharded run (each forward gathers the shards), rank 0 writing."""
+        if not (self.info.is_main or self.info.sharded):
             return
         a = self.args
-        images = sample_images(sample_model(), self.components, self.prompts, seed=a.seed, steps=a.sample_steps,
-                               cfg=a.sample_cfg, shift=a.sample_shift, resolution=a.resolution, device=self.device,
-                               prediction=a.prediction)
+        with sample_model() as model:
+            images = sample_images(model, self.components, self.prompts, seed=a.seed, steps=a.sample_steps,
+                                   cfg=a.sample_cfg, shift=a.sample_shift, resolution=a.resolution,
+                                   device=self.device, prediction=a.prediction)
+        if not self.info.is_main:
+            return
         path = os.path.join(a.out_dir, "samples", f"{self.name}_step{self.step:06d}.png")
         save_grid(path, images, self.prompts)
         self.log(f"sample grid: {path}")

@@ -1,0 +1,320 @@
+"""Sharded training (--fsdp 1): FSDP2 trains like DDP, its DCP resume checkpoints resume bitwise on the same
+processes and on any other number of processes or mode, a kill in the middle of a save loses nothing, the
+exported weights are the gathered ones and load in diffusers, and bad settings are one line."""
+import io
+import json
+import os
+import pickle
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+import trainer.train_pretrain as train_pretrain
+from model.checkpoint import (
+    CheckpointError, checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest,
+)
+from eval.sampling import load_for_sampling
+from model.errors import UserError
+from model.model_sd3light import SD3Light, preset_config
+from trainer.parallel import leaves
+from trainer.sharded_checkpoint import MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors
+from trainer.trainer_utils import truncate_metrics
+
+from tests.scripts import run, run_in_process
+from tests.test_checkpoint import launch, uncommitted, wait_for_step
+from tests.test_finetune import lora_export, pretrain_weights, sft_export
+
+SCRIPT = "trainer/train_pretrain.py"
+# a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
+RECIPE = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--warmup_steps", "0", "--min_lr_ratio", "1",
+          "--ema_decay", "0.9", "--prediction", "v", "--sample_interval", "0", "--sample_steps", "1",
+          "--save_dtype", "fp32", "--save_interval", "100", "--log_sample_ids", "1"]
+MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1": (0, ["--fsdp", "1"]),
+         "ddp2": (2, []), "single": (0, []), "hsdp2": (2, ["--fsdp", "1", "--fsdp_shard_size", "1"])}
+
+
+def folders(path):
+    return ["--out_dir", str(path / "out"), "--save_dir", str(path / "ckpt")]
+
+
+@pytest.fixture(scope="module")
+def legs(tmp_path_factory):
+    """legs(mode, steps, after=None) -> the folder of a run of RECIPE in `mode` to `steps` steps; with `after`
+    (mode, steps), a copy of that leg's folder resumed. Each leg runs once for the whole module."""
+    root, done = tmp_path_factory.mktemp("legs"), {}
+
+    def leg(mode, steps, after=None):
+        name = f"{after[0]}_{after[1]}-{mode}_{steps}" if after else f"{mode}_{steps}"
+        if name not in done:
+            torchrun, extra = MODES[mode]
+            if after:
+                shutil.copytree(leg(*after), root / name)
+                extra = extra + ["--from_resume", "1"]
+            run(RECIPE + ["--max_steps", str(steps)] + extra + folders(root / name), torchrun=torchrun)
+            done[name] = root / name
+        return done[name]
+
+    return leg
+
+
+def whole_resume_state(folder, name="pretrain_tiny"):
+    """The resume checkpoint of a run folder with every tensor whole, whatever wrote it: the .pt, and for a sharded
+    run its DCP shards read back by this one process."""
+    stem = str(folder / "ckpt" / f"{name}_resume")
+    state = load_torch(checkpoint_file(stem, read_manifest(stem, "resume"), ".pt"))
+    if state["shards"]:
+        shards = os.path.join(os.path.dirname(stem), state["shards"])
+        stored = SafeReader(shards).read_metadata().state_dict_metadata
+        tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in stored.items()}
+        dcp.load(tensors, storage_reader=SafeReader(shards), no_dist=True)
+        state = join_tensors(state, tensors)
+    return state
+
+
+def exported(folder):
+    stem = str(folder / "out" / "pretrain_tiny")
+    return load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+
+
+def metrics(folder):
+    with open(folder / "out" / "pretrain_tiny_metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_close_states(a, b, atol=1e-5):
+    """Same trained state (model, AdamW, EMA: the same tensors) within atol, and the same data order."""
+    for name in ("model", "optimizer", "ema"):
+        left, right = leaves(a[name]), leaves(b[name])
+        assert left.keys() == right.keys(), name
+        worst = max((left[k].double() - right[k].double()).abs().max().item() for k in left)
+        assert worst <= atol, f"{name} differs by {worst}"
+    assert a["step"] == b["step"] and a["samples_seen"] == b["samples_seen"]
+
+
+def sample_ids(folder):
+    return [row["sample_ids"] for row in metrics(folder)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Training and resuming
+
+
+@pytest.mark.slow
+def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
+    fsdp, ddp = legs("fsdp2", 3), legs("ddp2", 3)
+    assert_close_states(whole_resume_state(fsdp), whole_resume_state(ddp))
+    assert sample_ids(fsdp) == sample_ids(ddp)
+    for mine, theirs in zip(metrics(fsdp), metrics(ddp)):
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+    # the export is the EMA (the tracked average), gathered whole from the shards, in the declared dtype
+    state, weights = whole_resume_state(fsdp), exported(fsdp)
+    assert weights.keys() == state["ema"].keys()
+    for key, value in weights.items():
+        assert value.dtype == torch.float32 and torch.equal(value, state["ema"][key]), key
+    # and the diffusers transformer folder written beside it (v-prediction) loads in diffusers as those weights
+    from diffusers import SD3Transformer2DModel
+
+    theirs = SD3Transformer2DModel.from_pretrained(str(fsdp / "out" / "pretrain_tiny" / "transformer"))
+    for key, value in theirs.state_dict().items():
+        assert torch.equal(value.float(), weights[key].float()), key
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(legs):
+    whole, resumed = legs("fsdp2", 6), legs("fsdp2", 6, after=("fsdp2", 3))
+    a, b = whole_resume_state(whole), whole_resume_state(resumed)
+    for key in ("model", "optimizer", "ema", "rng", "step", "samples_seen", "epoch", "consumed"):
+        assert first_difference(a[key], b[key], key) is None, key
+    assert first_difference(exported(whole), exported(resumed)) is None
+    keep = ("step", "loss", "lr", "grad_norm", "sample_ids")
+    assert [{k: r[k] for k in keep} for r in metrics(whole)] == [{k: r[k] for k in keep} for r in metrics(resumed)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then,ref_first,ref_then", [
+    ("fsdp2", "fsdp1", "ddp2", "single"),  # FSDP 2 -> 1 as DDP 2 -> 1
+    ("fsdp2", "single", "ddp2", "single"),  # FSDP 2 -> one process without FSDP
+    ("fsdp1", "fsdp2", "single", "ddp2"),  # FSDP 1 -> 2 as one process -> DDP 2
+    ("ddp2", "fsdp2", "fsdp2", "fsdp2"),  # DDP -> FSDP on the same processes
+])
+def test_resume_on_another_number_of_processes_or_mode_continues_like_ddp(legs, first, then, ref_first, ref_then):
+    mine, theirs = legs(then, 6, after=(first, 3)), legs(ref_then, 6, after=(ref_first, 3))
+    assert_close_states(whole_resume_state(mine), whole_resume_state(theirs))
+    assert sample_ids(mine) == sample_ids(theirs)  # the same data order, through the change
+    ids = [i for row in sample_ids(mine) for i in row]
+    assert len(ids) == len(set(ids)) == whole_resume_state(mine)["samples_seen"]  # nothing twice, none dropped
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_trains_like_ddp(legs):
+    assert_close_states(whole_resume_state(legs("hsdp2", 3)), whole_resume_state(legs("ddp2", 3)))
+
+
+@pytest.mark.slow
+def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs):
+    """Saves on every step (most of each step here is the save): killed a moment after a step, the run (both
+    processes and torchrun) dies inside a save; what was committed loads, and the resumed run ends as the
+    uninterrupted one."""
+    args = RECIPE + ["--max_steps", "6", "--save_interval", "1"] + MODES["fsdp2"][1] + folders(tmp_path)
+    stem, mid_save = tmp_path / "ckpt" / "pretrain_tiny_resume", 0
+    metrics_path = str(tmp_path / "out" / "pretrain_tiny_metrics.jsonl")
+    for attempt in range(4):
+        committed = read_manifest(str(stem), "resume")["step"] if os.path.exists(f"{stem}.json") else 0
+        truncate_metrics(metrics_path, committed)  # as the run will: then a row past it is this attempt's
+        proc = launch(args + ["--from_resume", "1"], torchrun=2, log_path=tmp_path / f"attempt{attempt}.log")
+        wait_for_step(proc, metrics_path, max(committed + 1, 2))  # step 1's save has committed by then
+        time.sleep(0.3)
+        if proc.poll() is not None:
+            break
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
+        proc.wait()
+        state = whole_resume_state(tmp_path)  # the last commit: its files match the manifest and load
+        assert state["step"] >= max(committed, 1) and leaves(state["model"])
+        mid_save += bool(uncommitted(str(tmp_path / "ckpt"), "pretrain_tiny_resume"))
+        if mid_save:
+            break
+    assert mid_save, "no kill landed inside a save"
+    run(args + ["--from_resume", "1"], torchrun=2)
+    assert not uncommitted(str(tmp_path / "ckpt"), "pretrain_tiny_resume")
+    whole, resumed = whole_resume_state(legs("fsdp2", 6)), whole_resume_state(tmp_path)
+    for key in ("model", "optimizer", "ema", "rng"):
+        assert first_difference(whole[key], resumed[key], key) is None, key
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_under_fsdp(tmp_path, legs):
+    run(RECIPE + ["--max_steps", "2", "--compile", "1"] + MODES["fsdp2"][1] + folders(tmp_path), torchrun=2)
+    compiled, eager = metrics(tmp_path), metrics(legs("ddp2", 3))
+    assert compiled[0]["loss"] == pytest.approx(eager[0]["loss"], abs=1e-5)  # the same weights, the same loss
+    assert [r["sample_ids"] for r in compiled] == [r["sample_ids"] for r in eager[:2]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["sft", "lora"])
+def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, stage):
+    base = tmp_path_factory.mktemp("base")
+    pretrain_weights(base, prediction="v")  # with a diffusers transformer folder beside it
+    script, name, export, data = {
+        "sft": ("trainer/train_full_sft.py", "sft_tiny", sft_export, []),
+        "lora": ("trainer/train_lora.py", "lora_demo_tiny", lora_export, ["--prior_samples", "12"])}[stage]
+    args = [script, "--from_weight", str(base / "pretrain_tiny.json"), "--num_samples", "12", *data, "--batch_size",
+            "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps", "1",
+            "--save_dtype", "fp32"]
+    runs = {}
+    for mode in ("fsdp2", "ddp2"):
+        runs[mode] = tmp_path_factory.mktemp(mode)
+        run(args + MODES[mode][1] + folders(runs[mode]), torchrun=2)
+    sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
+    assert sharded.keys() == reference.keys()
+    for key, value in sharded.items():
+        assert value.dtype == torch.float32 and (value - reference[key]).abs().max() <= 1e-5, key
+    state = whole_resume_state(runs["fsdp2"], name)
+    if stage == "sft":  # no EMA: the export is the trained weights, gathered whole from the shards
+        assert all(torch.equal(value, state["model"][key]) for key, value in sharded.items())
+        return
+    # only the adapters were trained: they alone are in the shards, with their AdamW state
+    assert state["model"].keys() == sharded.keys() and all(".lora_" in k for k in sharded)
+    assert set(state["optimizer"]["state"]) == {k.removeprefix("transformer.") for k in sharded}
+    # the file loads in diffusers onto the base transformer and draws what our sampler draws with it
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    lora_path = runs["fsdp2"] / "out" / "lora" / "lora_demo_tiny.safetensors"
+    ours = load_for_sampling(str(base / "pretrain_tiny.json"), str(base), "cpu", lora=str(lora_path))[0].eval()
+    theirs = SD3Transformer2DModel.from_pretrained(str(base / "pretrain_tiny" / "transformer")).eval()
+    lora, metadata = StableDiffusion3Pipeline.lora_state_dict(str(lora_path.parent), weight_name=lora_path.name,
+                                                              return_lora_metadata=True)
+    theirs.load_lora_adapter(lora, prefix="transformer", metadata=metadata)
+    config, generator = ours.config, torch.Generator().manual_seed(0)
+    x = (torch.randn(2, config.in_channels, 8, 8, generator=generator),
+         torch.randn(2, 5, config.joint_attention_dim, generator=generator),
+         torch.randn(2, config.pooled_projection_dim, generator=generator), torch.tensor([300.0, 800.0]))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(*x).sample, ours(*x), rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input and what protects against it
+
+
+def test_every_rank_starts_from_rank_0s_weights(tmp_path):
+    torch.multiprocessing.spawn(start_from_different_seeds, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+
+
+def start_from_different_seeds(rank, store_path):
+    """Two gloo processes build the model from different seeds; once sharded, the model is rank 0's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainer.parallel import data_parallel, gathered
+    from trainer.trainer_utils import DistInfo
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(rank)
+        model = SD3Light(preset_config("tiny"))
+        rank0 = [model.state_dict() if rank == 0 else None]
+        dist.broadcast_object_list(rank0, 0)  # what rank 0 built, as rank 0 built it
+        info = DistInfo(rank, rank, 2, torch.device("cpu"), init_device_mesh("cpu", (2,)))
+        whole = gathered(data_parallel(model, info).state_dict(), info)
+        if rank == 0:
+            assert first_difference(rank0[0], whole) is None
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_shard_size_that_does_not_divide_the_processes_is_one_line_before_any_work(tmp_path, monkeypatch):
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "4")):
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=r"--fsdp_shard_size 3 does not divide the 4 process\(es\): use a divisor"):
+        run_in_process(train_pretrain, ["--fsdp", "1", "--fsdp_shard_size", "3"] + folders(tmp_path), monkeypatch)
+    with pytest.raises(UserError, match=r"--fsdp_shard_size shards the weights: it needs --fsdp 1"):
+        run_in_process(train_pretrain, ["--fsdp_shard_size", "2"] + folders(tmp_path), monkeypatch)
+    assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["delete", "truncate"])
+def test_incomplete_shards_are_a_one_line_error(tmp_path, legs, damage):
+    shutil.copytree(legs("fsdp2", 3), tmp_path / "run")
+    shards = next((tmp_path / "run" / "ckpt").glob("*.dcp"))
+    shard = shards / "__1_0.distcp"
+    if damage == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:1000])
+    result = run(RECIPE + ["--max_steps", "6", "--from_resume", "1"] + folders(tmp_path / "run"), check=False)
+    expected = "is missing" if damage == "delete" else "has 1000 bytes but its manifest says"
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("error: ") and "__1_0.distcp" in last and expected in last
+    assert "Traceback" not in result.stderr
+
+
+def test_shard_metadata_that_asks_for_code_is_refused(tmp_path):
+    class Payload:
+        def __reduce__(self):
+            return os.system, ("echo pwned",)
+
+    with pytest.raises(pickle.UnpicklingError, match=r"asks for posix\.system, which is not checkpoint metadata"):
+        MetadataUnpickler(io.BytesIO(pickle.dumps(Payload()))).load()
+
+
+def test_shards_that_do_not_hold_what_the_run_has_are_a_one_line_error(tmp_path):
+    """The resume file names the tensors its shards hold: a run with other ones is refused, naming them."""
+    model = SD3Light(preset_config("tiny"))
+    saved, tensors = split_tensors({"model": model.state_dict()})
+    dcp.save(tensors, storage_writer=FileSystemWriter(str(tmp_path / "shards")), no_dist=True)
+    current = {"model": {**model.state_dict(), "extra.weight": torch.zeros(2)}}
+    del current["model"]["proj_out.bias"]
+    with pytest.raises(CheckpointError, match=r"run.json does not fit this run; missing: model/extra.weight \(1\); "
+                                              r"unexpected: model/proj_out.bias \(1\)"):
+        read_shards(str(tmp_path / "shards"), saved, current, "run.json")
+    fresh = SD3Light(preset_config("tiny"))
+    loaded = read_shards(str(tmp_path / "shards"), saved, {"model": fresh.state_dict()}, "run.json")
+    assert first_difference(model.state_dict(), loaded["model"]) is None
+    assert first_difference(model.state_dict(), fresh.state_dict()) is None  # read straight into the run's tensors

@@ -1,0 +1,132 @@
+"""Data parallelism, the way a stage asks for it: `data_parallel(model, info, ...)` before building the optimizer.
+
+    one process       the model itself
+    torchrun, DDP     DistributedDataParallel: every process holds all weights, gradients and AdamW state
+    --fsdp 1          FSDP2 (torch.distributed.fsdp.fully_shard) over info.mesh: each joint transformer block is
+                      one shard group, then the root; weights, gradients and AdamW state are split over the
+                      processes (dim-0 DTensor shards), and gathered block by block for forward and backward
+
+A sharded run's state dicts hold DTensors. What a resume checkpoint stores is the same tree in every mode (the
+model's parameter names as keys, the optimizer's state too: NamedOptimizerState), so a checkpoint written by one
+mode loads into another: `conform` cuts full tensors into this process's shards; trainer/sharded_checkpoint.py
+reads DCP shards into whatever layout the run has. `gathered` makes a sharded state dict whole on rank 0 for the
+exported weights.
+"""
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from model.errors import UserError
+
+
+def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
+    """-> the module to train: `model` itself (one process, or sharded in place with info.mesh), or DDP around it.
+    `compile_blocks`: torch.compile each block's forward (FSDP's hooks stay outside the graph). `mixed_precision`:
+    the dtype FSDP computes in (bf16 on GPUs), gradients still reduced in fp32."""
+    if compile_blocks:
+        for block in model.transformer_blocks:
+            block.forward = torch.compile(block.forward)
+    if info.mesh is None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model) if info.world_size > 1 else model
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    same_start(model, info)
+    policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
+        else MixedPrecisionPolicy()
+    # reshard_after_forward on the root too: after a no-grad forward (sample grids) no whole copy lingers
+    for block in model.transformer_blocks:
+        fully_shard(block, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
+    fully_shard(model, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
+    return model
+
+
+@torch.no_grad()
+def same_start(model, info):
+    """Every rank starts from rank 0's weights (what DDP does when it wraps): FSDP keeps each rank's own slice of
+    its own copy, so a rank that drew other initial weights would silently train a patchwork."""
+    if info.world_size > 1:
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(tensor.data, 0)
+
+
+def gathered(state, info):
+    """A state dict made whole, on the CPU of rank 0 (None on the others): each sharded tensor is all-gathered in
+    turn, so no process holds more than one whole tensor on its device at a time."""
+    whole = {}
+    for key, value in state.items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        if info.is_main:
+            whole[key] = value.detach().cpu()
+    return whole if info.is_main else None
+
+
+def to_item(value):
+    """A scalar tensor's number, made whole first if it is a DTensor (e.g. a norm of sharded gradients)."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State trees that load into any layout
+
+
+def leaves(tree, path=()):
+    """-> {path: tensor} of every tensor in a nested dict/list state (path: the keys on the way, as a tuple)."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {p: t for key, sub in items for p, t in leaves(sub, path + (key,)).items()}
+
+
+def map_leaves(tree, fn, path=()):
+    """The same tree with each tensor replaced by fn(path, tensor)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, fn, path + (k,)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(v, fn, path + (i,)) for i, v in enumerate(tree))
+    return tree
+
+
+def conform(saved, current):
+    """`saved` (a state as one process holds it: whole tensors) laid out as `current` is: where the run holds a
+    DTensor shard, the saved tensor is cut to this process's shard (no communication: every rank has it all)."""
+    layout = leaves(current)
+
+    def fit(path, tensor):
+        target = layout.get(path)
+        if isinstance(target, DTensor) and not isinstance(tensor, DTensor):
+            return distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements,
+                                     src_data_rank=None)
+        return tensor
+
+    return map_leaves(saved, fit)
+
+
+class NamedOptimizerState:
+    """An optimizer's state keyed by its model's parameter names instead of their positions, with sharded tensors
+    under FSDP and whole ones otherwise (torch.distributed.checkpoint.state_dict): the same tree in every mode, so
+    a resume may change processes or sharding. What a stage tracks for its resume checkpoint."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state):
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if state["state"] and all(isinstance(k, int) for k in state["state"]):  # positions: written before names
+            if any(isinstance(p, DTensor) for p in self.model.parameters()):
+                raise UserError("this resume checkpoint keeps its optimizer state by position, from an older "
+                                "version: resume it once without --fsdp, then the saves that follow load anywhere")
+            self.optimizer.load_state_dict(state)
+            return
+        set_optimizer_state_dict(self.model, self.optimizer, state)
