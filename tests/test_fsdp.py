@@ -1,6 +1,7 @@
 """Sharded training (--fsdp 1): FSDP2 trains like DDP, its DCP resume checkpoints resume bitwise on the same
 processes and on any other number of processes or mode, a kill in the middle of a save loses nothing, the
 exported weights are the gathered ones and load in diffusers, and bad settings are one line."""
+import argparse
 import io
 import json
 import os
@@ -22,11 +23,13 @@ from eval.sampling import load_for_sampling
 from model.errors import UserError
 from model.model_sd3light import SD3Light, preset_config
 from trainer.parallel import leaves
-from trainer.sharded_checkpoint import MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors
-from trainer.trainer_utils import truncate_metrics
+from trainer.sharded_checkpoint import (
+    MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
+)
+from trainer.training_run import TrainingRun
 
 from tests.scripts import run, run_in_process
-from tests.test_checkpoint import launch, uncommitted, wait_for_step
+from tests.test_checkpoint import children, launch, uncommitted, wait_for_step
 from tests.test_finetune import lora_export, pretrain_weights, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -155,30 +158,46 @@ def test_hybrid_sharding_trains_like_ddp(legs):
     assert_close_states(whole_resume_state(legs("hsdp2", 3)), whole_resume_state(legs("ddp2", 3)))
 
 
+def kill_torchrun(proc):
+    """SIGKILL to the workers and to torchrun: each worker has a process group of its own, and one whose torchrun
+    died trains on (its peers are reached directly), so a kill of torchrun alone would leave the run writing."""
+    workers = children(proc.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    while any(alive(pid) for pid in workers):
+        assert time.time() < deadline, "a killed worker lives on"
+        time.sleep(0.01)
+
+
+def alive(pid):
+    """Running: not gone, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @pytest.mark.slow
 def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs):
-    """Saves on every step (most of each step here is the save): killed a moment after a step, the run (both
-    processes and torchrun) dies inside a save; what was committed loads, and the resumed run ends as the
-    uninterrupted one."""
+    """Saves on every step. Killed (both processes and torchrun) as soon as a save's shard folder appears, i.e.
+    while the ranks write their shards, the run leaves the last commit whole and loadable; the resumed run ends as
+    the uninterrupted one, with the half-written folder gone."""
     args = RECIPE + ["--max_steps", "6", "--save_interval", "1"] + MODES["fsdp2"][1] + folders(tmp_path)
-    stem, mid_save = tmp_path / "ckpt" / "pretrain_tiny_resume", 0
-    metrics_path = str(tmp_path / "out" / "pretrain_tiny_metrics.jsonl")
-    for attempt in range(4):
-        committed = read_manifest(str(stem), "resume")["step"] if os.path.exists(f"{stem}.json") else 0
-        truncate_metrics(metrics_path, committed)  # as the run will: then a row past it is this attempt's
-        proc = launch(args + ["--from_resume", "1"], torchrun=2, log_path=tmp_path / f"attempt{attempt}.log")
-        wait_for_step(proc, metrics_path, max(committed + 1, 2))  # step 1's save has committed by then
-        time.sleep(0.3)
-        if proc.poll() is not None:
-            break
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
-        proc.wait()
-        state = whole_resume_state(tmp_path)  # the last commit: its files match the manifest and load
-        assert state["step"] >= max(committed, 1) and leaves(state["model"])
-        mid_save += bool(uncommitted(str(tmp_path / "ckpt"), "pretrain_tiny_resume"))
-        if mid_save:
-            break
-    assert mid_save, "no kill landed inside a save"
+    ckpt, metrics_path = str(tmp_path / "ckpt"), str(tmp_path / "out" / "pretrain_tiny_metrics.jsonl")
+    proc = launch(args, torchrun=2, log_path=tmp_path / "killed.log")
+    wait_for_step(proc, metrics_path, 2)  # step 1's save has committed: step 2's is about to start
+    deadline = time.time() + 60
+    while not uncommitted(ckpt, "pretrain_tiny_resume") and proc.poll() is None:
+        assert time.time() < deadline, "no save started"
+        time.sleep(0.005)
+    kill_torchrun(proc)
+    assert any(name.endswith(".dcp") for name in uncommitted(ckpt, "pretrain_tiny_resume")), "killed after the save"
+    state = whole_resume_state(tmp_path)  # the last commit: its files match the manifest and load
+    assert state["step"] >= 1 and leaves(state["model"]) and leaves(state["optimizer"])
     run(args + ["--from_resume", "1"], torchrun=2)
     assert not uncommitted(str(tmp_path / "ckpt"), "pretrain_tiny_resume")
     whole, resumed = whole_resume_state(legs("fsdp2", 6)), whole_resume_state(tmp_path)
@@ -241,19 +260,20 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
 # Bad input and what protects against it
 
 
-def test_every_rank_starts_from_rank_0s_weights(tmp_path):
-    torch.multiprocessing.spawn(start_from_different_seeds, args=(str(tmp_path / "store"),), nprocs=2, join=True)
+def test_every_rank_starts_from_rank_0s_weights_and_skips_a_step_whose_sharded_gradients_are_not_finite(tmp_path):
+    torch.multiprocessing.spawn(two_ranks_from_different_seeds, args=(str(tmp_path),), nprocs=2, join=True)
 
 
-def start_from_different_seeds(rank, store_path):
-    """Two gloo processes build the model from different seeds; once sharded, the model is rank 0's."""
+def two_ranks_from_different_seeds(rank, folder):
+    """Two gloo processes build the model from different seeds; once sharded, the model is rank 0's. Then one rank
+    alone has an infinite gradient in its shard: both see the global norm and both skip the update."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.parallel import data_parallel, gathered
     from trainer.trainer_utils import DistInfo
 
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:
         torch.manual_seed(rank)
         model = SD3Light(preset_config("tiny"))
@@ -263,6 +283,17 @@ def start_from_different_seeds(rank, store_path):
         whole = gathered(data_parallel(model, info).state_dict(), info)
         if rank == 0:
             assert first_difference(rank0[0], whole) is None
+        run = TrainingRun(argparse.Namespace(save_dir=folder, out_dir=folder, seed=0, batch_size=1,
+                                             accumulation_steps=1), info, "test", "test")
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(params, lr=0.1)
+        before = [p.to_local().clone() for p in params]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if rank == 1:
+            params[0].grad.to_local()[0] = float("inf")
+        assert run.optimizer_step(optimizer, params, 1.0, 1.0) is None and run.skipped and run.nan_streak == 1
+        assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -318,3 +349,18 @@ def test_shards_that_do_not_hold_what_the_run_has_are_a_one_line_error(tmp_path)
     loaded = read_shards(str(tmp_path / "shards"), saved, {"model": fresh.state_dict()}, "run.json")
     assert first_difference(model.state_dict(), loaded["model"]) is None
     assert first_difference(model.state_dict(), fresh.state_dict()) is None  # read straight into the run's tensors
+
+
+def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_path, monkeypatch):
+    from trainer import sharded_checkpoint
+    from trainer.trainer_utils import DistInfo
+
+    tensors = {"model/a": torch.ones(3), "model/b": torch.arange(4)}
+    entries = write_shards(str(tmp_path / "run.step00000001.dcp"), tensors, DistInfo())
+    assert sorted(entries) == ["run.step00000001.dcp/.metadata", "run.step00000001.dcp/__0_0.distcp"]
+    for name, entry in entries.items():
+        assert entry["bytes"] == os.path.getsize(tmp_path / name) and len(entry["sha256"]) == 64
+    monkeypatch.setattr(sharded_checkpoint, "tensors_equal", lambda a, b: not torch.equal(b, torch.ones(3)))
+    with pytest.raises(RuntimeError, match=r"writing the shards of .*run.step00000002.dcp failed: rank 0: .* read "
+                                           r"back with a different model/a"):
+        write_shards(str(tmp_path / "run.step00000002.dcp"), tensors, DistInfo())

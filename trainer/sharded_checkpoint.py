@@ -117,8 +117,9 @@ def local(tensor):
 
 def verify_shards(folder, tensors, world):
     """Read the shards back into fresh tensors, at most VERIFY_BYTES per process at a time, and compare with what
-    was meant to be written (this process's part of each tensor). The chunks are the same on every rank."""
-    chunk, size = [], 0
+    was meant to be written (this process's part of each tensor). The chunks are the same on every rank, and a
+    rank that finds a difference reads on to the end, so that every rank makes the same collective calls."""
+    chunk, size, bad = [], 0, None
     names = sorted(tensors)
     for i, name in enumerate(names):
         chunk.append(name)
@@ -126,10 +127,10 @@ def verify_shards(folder, tensors, world):
         if size >= VERIFY_BYTES or i == len(names) - 1:
             back = {n: torch.empty_like(tensors[n]) for n in chunk}
             dcp.load(back, storage_reader=SafeReader(folder))
-            bad = next((n for n in chunk if not tensors_equal(local(tensors[n]), local(back[n]))), None)
-            if bad is not None:
-                raise RuntimeError(f"{folder} read back with a different {bad}")
+            bad = bad or next((n for n in chunk if not tensors_equal(local(tensors[n]), local(back[n]))), None)
             chunk, size = [], 0
+    if bad is not None:
+        raise RuntimeError(f"{folder} read back with a different {bad}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
