@@ -16,6 +16,7 @@ Loading reshards: the shards are read into the layout the run has now (other pro
 import os
 import pickle
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -149,7 +150,9 @@ def read_shards(folder, saved, current, where):
                  for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
         raise CheckpointError(f"{where} does not fit this run; " + "; ".join(parts))
     try:
-        dcp.load(wanted, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())  # one process: no group
+        with warnings.catch_warnings():  # one process reading every shard is meant: DCP warns of it
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(wanted, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())
     except (CheckpointException, OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"cannot read the shards in {folder}: {one_line(e)}") from None
     return join_tensors(saved, wanted)
