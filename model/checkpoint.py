@@ -22,7 +22,7 @@ import torch
 from safetensors import safe_open
 
 from model.errors import UserError
-from model.file_io import atomic_path, atomic_write_text, sha256_of, tensors_equal, write_safetensors
+from model.file_io import atomic_path, atomic_write_text, file_entry, sha256_of, tensors_equal, write_safetensors
 
 
 class CheckpointError(UserError):
@@ -66,7 +66,7 @@ def write_torch(path, state):
     bad = first_difference(state, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     if bad is not None:
         raise RuntimeError(f"{path} read back with a different {bad}")
-    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    return file_entry(path)
 
 
 def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None):

@@ -63,6 +63,11 @@ def sha256_of(path, chunk=1 << 22):
     return digest.hexdigest()
 
 
+def file_entry(path):
+    """A written file as a manifest names it: its size and sha256."""
+    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+
+
 def tensors_equal(a, b):
     """Same dtype, shape and values (NaNs in the same places count as equal)."""
     if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
@@ -90,4 +95,4 @@ def write_safetensors(path, tensors, metadata=None, float_dtype=None):
         bad = next((k for k in tensors if not tensors_equal(tensors[k], f.get_tensor(k))), None)
     if bad is not None:
         raise RuntimeError(f"{path} read back with a different {bad}")
-    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    return file_entry(path)

@@ -22,10 +22,10 @@ from model.checkpoint import (
 from eval.sampling import load_for_sampling
 from model.errors import UserError
 from model.model_sd3light import SD3Light, preset_config
-from trainer.parallel import leaves
 from trainer.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
+from trainer.trainer_utils import leaves
 from trainer.training_run import TrainingRun
 
 from tests.scripts import run, run_in_process

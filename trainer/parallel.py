@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.errors import UserError
+from trainer.trainer_utils import leaves, map_leaves
 
 
 def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
@@ -71,25 +72,6 @@ def to_item(value):
 
 # ----------------------------------------------------------------------------------------------------------------
 # State trees that load into any layout
-
-
-def leaves(tree, path=()):
-    """-> {path: tensor} of every tensor in a nested dict/list state (path: the keys on the way, as a tuple)."""
-    if isinstance(tree, torch.Tensor):
-        return {path: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    return {p: t for key, sub in items for p, t in leaves(sub, path + (key,)).items()}
-
-
-def map_leaves(tree, fn, path=()):
-    """The same tree with each tensor replaced by fn(path, tensor)."""
-    if isinstance(tree, torch.Tensor):
-        return fn(path, tree)
-    if isinstance(tree, dict):
-        return {k: map_leaves(v, fn, path + (k,)) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(map_leaves(v, fn, path + (i,)) for i, v in enumerate(tree))
-    return tree
 
 
 def conform(saved, current):

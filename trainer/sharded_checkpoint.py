@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.storage import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from model.checkpoint import CheckpointError
-from model.file_io import sha256_of, tensors_equal
-from trainer.parallel import leaves
+from model.file_io import file_entry, tensors_equal
+from trainer.trainer_utils import leaves, map_leaves
 
 MARK = "__dcp__"  # {MARK: name} stands in the resume file for a tensor kept in the shards
 VERIFY_BYTES = 1 << 30  # read back at most this many bytes per process at a time
@@ -40,19 +40,8 @@ def tensor_name(path):
 
 def split_tensors(tree):
     """-> (the tree with each tensor replaced by {MARK: its name}, {name: tensor})."""
-    found = leaves(tree)
-    tensors = {tensor_name(path): tensor for path, tensor in found.items()}
-
-    def mark(sub, path=()):
-        if path in found:
-            return {MARK: tensor_name(path)}
-        if isinstance(sub, dict):
-            return {k: mark(v, path + (k,)) for k, v in sub.items()}
-        if isinstance(sub, (list, tuple)):
-            return type(sub)(mark(v, path + (i,)) for i, v in enumerate(sub))
-        return sub
-
-    return mark(tree), tensors
+    tensors = {tensor_name(path): tensor for path, tensor in leaves(tree).items()}
+    return map_leaves(tree, lambda path, tensor: {MARK: tensor_name(path)}), tensors
 
 
 def join_tensors(tree, tensors):
@@ -88,7 +77,7 @@ def write_shards(folder, tensors, info):
         dcp.save(tensors, storage_writer=FileSystemWriter(folder))
         verify_shards(folder, tensors, info.world_size)
         own = [n for n in os.listdir(folder) if n.startswith(f"__{info.rank}_") or (info.is_main and n == ".metadata")]
-        entries = {name: file_entry(folder, name) for name in own}
+        entries = {name: file_entry(os.path.join(folder, name)) for name in own}
     except (OSError, RuntimeError, ValueError, CheckpointException) as e:
         error = f"rank {info.rank}: {one_line(e)}"
     reports = [(entries, error)]
@@ -102,14 +91,9 @@ def write_shards(folder, tensors, info):
         return {}
     entries = {name: entry for own, _ in reports for name, entry in own.items()}
     for name in set(os.listdir(folder)) - set(entries):  # a file no rank claimed (DCP named it otherwise): hash it
-        entries[name] = file_entry(folder, name)
+        entries[name] = file_entry(os.path.join(folder, name))
     base = os.path.basename(folder)
     return {f"{base}/{name}": entry for name, entry in sorted(entries.items())}
-
-
-def file_entry(folder, name):
-    path = os.path.join(folder, name)
-    return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
 def local(tensor):

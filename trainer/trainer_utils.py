@@ -52,7 +52,7 @@ def init_distributed(fsdp=0, shard_size=0):
     if shard_size and world % shard_size:
         raise UserError(f"--fsdp_shard_size {shard_size} does not divide the {world} process(es): use a divisor of "
                         f"{world}, e.g. the GPUs of one node, or 0 to shard over all")
-    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu") if env else torch.device("cuda" if cuda else "cpu")
+    device = torch.device((f"cuda:{local_rank}" if env else "cuda") if cuda else "cpu")
     if env and cuda:
         torch.cuda.set_device(local_rank)
     if env:
@@ -107,7 +107,7 @@ def ignore_sigint(worker_id):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Schedule, EMA, random states
+# Schedule, EMA, random states, state trees
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio=0.1):
@@ -172,15 +172,28 @@ def set_rng_state(state, generator, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def leaves(tree, path=()):
+    """-> {path: tensor} of every tensor in a nested dict/list state (path: the keys on the way, as a tuple)."""
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    return {p: t for key, sub in items for p, t in leaves(sub, path + (key,)).items()}
+
+
+def map_leaves(tree, fn, path=()):
+    """The same nested state with each tensor replaced by fn(path, tensor)."""
+    if isinstance(tree, torch.Tensor):
+        return fn(path, tree)
+    if isinstance(tree, dict):
+        return {k: map_leaves(v, fn, path + (k,)) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_leaves(v, fn, path + (i,)) for i, v in enumerate(tree))
+    return tree
+
+
 def to_cpu(obj):
     """A nested state with every tensor on the CPU (what a resume file holds)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return obj
+    return map_leaves(obj, lambda path, tensor: tensor.detach().cpu())
 
 
 # ----------------------------------------------------------------------------------------------------------------

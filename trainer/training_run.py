@@ -134,18 +134,18 @@ class TrainingRun:
         self.log(f"resumed {where} at step {self.step} (epoch {self.epoch}, {self.samples_seen} samples seen)")
 
     def _restore(self, state, where):
-        """Load each tracked object's saved state, laid out as the run holds it now: whole tensors from the resume
-        file cut into this process's shards, or shards read from the DCP folder into any layout."""
-        current = {name: obj.state_dict() for name, obj in self.tracked.items()
-                   if obj is not None and state[name] is not None}
-        saved = {name: state[name] for name in current}
-        if state.get("shards"):
-            saved = read_shards(os.path.join(os.path.dirname(where), state["shards"]), saved, current, where)
-        else:
-            saved = conform(saved, current)
-        for name, obj in self.tracked.items():
-            if obj is not None:
-                obj.load_state_dict(saved.get(name))  # None: an EMA the saved run did not keep yet
+        """Load each tracked object's saved state, laid out as the run holds it now: shards read from the DCP
+        folder into any layout, or whole tensors from the resume file (cut into this process's shards if the run
+        is sharded)."""
+        saved = {name: state[name] for name, obj in self.tracked.items() if obj is not None}
+        shards = state.get("shards")
+        if shards or self.info.sharded:  # the run's own state dicts give the layout
+            current = {name: self.tracked[name].state_dict() for name, value in saved.items() if value is not None}
+            ours = {name: saved[name] for name in current}
+            saved.update(read_shards(os.path.join(os.path.dirname(where), shards), ours, current, where) if shards
+                         else conform(ours, current))
+        for name, value in saved.items():
+            self.tracked[name].load_state_dict(value)  # None: an EMA the saved run did not keep yet
 
     def _planned_steps(self, args):
         return args.max_steps if args.max_steps > 0 else args.epochs * self.sampler.steps_left(0, self.plan_batch)
