@@ -15,26 +15,32 @@ from model.rectified_flow import euler_sample
 from model.weights import load_weights, resolve_lora, sampling_name, weights_identity
 
 
-def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction):
+def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction, renoise=False):
     """Generate one image per prompt with fixed noise (seeded per prompt index) -> images in [-1, 1] on CPU.
-    `prediction` is what the model outputs, "x" or "v" (its weights record says which)."""
+    `prediction` is what the model outputs, "x" or "v" (its weights record says which). `renoise`: sample as a
+    few-step distilled generator does, each step's x0 noised afresh (each prompt's fresh noise continues its own
+    seeded stream, as diffusers' pipeline draws it from its generator)."""
     was_training = model.training
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
     shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)
-    noise = torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(seed + i))
-                         for i in range(len(prompts))]).to(device)
-    latents = euler_sample(model, noise, tokens.to(device), pooled.to(device), steps=steps, cfg=cfg, shift=shift,
-                           prediction=prediction)
+    streams = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+
+    def fresh_noise():
+        return torch.stack([torch.randn(shape, generator=stream) for stream in streams]).to(device)
+
+    latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), steps=steps, cfg=cfg,
+                           shift=shift, prediction=prediction, fresh_noise=fresh_noise if renoise else None)
     model.train(was_training)
     return components.decode_latents(latents).float().cpu()
 
 
 def sampling_settings(record, steps=None, cfg=None, shift=None):
-    """Sampler settings: the ones given, else what the run sampled its grids with (its weights record)."""
+    """Sampler settings: the ones given, else what the run sampled its grids with (its weights record); a
+    distilled generator's records that it re-noises."""
     saved = record["sampling"]
     return {"steps": steps or saved["steps"], "cfg": saved["cfg"] if cfg is None else cfg,
-            "shift": saved["shift"] if shift is None else shift}
+            "shift": saved["shift"] if shift is None else shift, "renoise": saved.get("renoise", False)}
 
 
 # ----------------------------------------------------------------------------------------------------------------

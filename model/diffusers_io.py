@@ -49,11 +49,35 @@ def pipeline_shift(pipeline_dir):
         return json.load(f).get("shift", DEFAULT_SHIFT)
 
 
-def export_diffusers(folder, config, weights_file, pipeline_from=None, shift=DEFAULT_SHIFT):
+def scheduler_settings(sampling):
+    """The FlowMatchEulerDiscreteScheduler settings of an exported pipeline, from our sampler's settings (a
+    weights record's "sampling"). A plain sampler: its shift. A few-step generator (it re-noises): stochastic
+    sampling, and a shift and a terminal sigma chosen so that diffusers' own schedule for its number of steps is
+    exactly our sigmas (rectified_flow.sampling_sigmas): `pipe(prompt, num_inference_steps=steps,
+    guidance_scale=1)` samples it as we do. diffusers spaces its sigmas evenly from 1 to its smallest training
+    sigma, shifts them, then stretches 1 - sigma to end at the terminal; ours are evenly spaced from 1 to
+    1/steps, then shifted."""
+    steps, shift = sampling["steps"], sampling["shift"]
+    if not sampling.get("renoise"):
+        return {"shift": shift}
+    if steps == 1:  # one step at sigma 1, whatever the shift
+        return {"shift": shift, "stochastic_sampling": True}
+    # Both schedules' 1 - sigma are proportional iff k * (S - 1) = S * steps * d * (k - 1), d = diffusers' spacing
+    # (which depends on its shift k through its smallest sigma): a fixed point, found in a few iterations
+    k = shift * steps / (steps + shift - 1)
+    for _ in range(50):
+        smallest = k * 0.001 / (1 + (k - 1) * 0.001)
+        d = (1 - smallest) / (steps - 1)
+        k = shift * steps * d / (shift * steps * d - (shift - 1))
+    return {"shift": k, "shift_terminal": shift / (steps + shift - 1), "stochastic_sampling": True}
+
+
+def export_diffusers(folder, config, weights_file, pipeline_from=None, scheduler=None):
     """Give the verified weights file of a save (its keys are diffusers' names) a diffusers transformer folder,
     folder/transformer/ (config.json + the file, hard-linked: no second copy is written); with `pipeline_from`
     (an SD3 folder) also the rest of a pipeline folder that StableDiffusion3Pipeline loads: its frozen parts
-    linked (copied where links are not possible) and its scheduler with our sampling shift. -> bytes written."""
+    linked (copied where links are not possible) and its scheduler with `scheduler`'s settings (scheduler_settings).
+    -> bytes written."""
     transformer = os.path.join(folder, "transformer")
     written = 0
     with atomic_path(os.path.join(transformer, DIFFUSERS_WEIGHTS)) as tmp:
@@ -67,12 +91,12 @@ def export_diffusers(folder, config, weights_file, pipeline_from=None, shift=DEF
             written = os.path.getsize(tmp)
     config.save_json(os.path.join(transformer, "config.json"))
     if pipeline_from:
-        link_pipeline_parts(folder, pipeline_from, shift)
+        link_pipeline_parts(folder, pipeline_from, scheduler or {"shift": DEFAULT_SHIFT})
     return written
 
 
-def link_pipeline_parts(folder, base, shift):
-    """The frozen parts of the pipeline folder `base` linked into `folder`, with its scheduler at `shift`."""
+def link_pipeline_parts(folder, base, scheduler_settings):
+    """The frozen parts of the pipeline folder `base` linked into `folder`, its scheduler with our settings."""
     with open(os.path.join(base, "model_index.json"), encoding="utf-8") as f:
         index = json.load(f)
     index["transformer"] = ["diffusers", "SD3Transformer2DModel"]
@@ -97,5 +121,5 @@ def link_pipeline_parts(folder, base, shift):
     with open(os.path.join(base, "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
         scheduler = json.load(f)
     atomic_write_text(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                      json.dumps({**scheduler, "shift": shift}, indent=2) + "\n")
+                      json.dumps({**scheduler, **scheduler_settings}, indent=2) + "\n")
     atomic_write_text(os.path.join(folder, "model_index.json"), json.dumps(index, indent=2) + "\n")

@@ -10,6 +10,7 @@ tools (../shared/REFERENCE.md section 4). The file records alpha, so the scale i
 """
 import json
 import math
+import os
 import re
 
 import torch
@@ -226,6 +227,18 @@ def read_lora_file(path):
         state = {k: f.get_tensor(k) for k in f.keys()}
     record = json.loads(metadata["minisd3"]) if "minisd3" in metadata else None
     return state, config_from_metadata(metadata), record
+
+
+def is_lora_file(path):
+    """Whether `path` is a safetensors file of LoRA adapters (every key a lora_A or lora_B matrix)."""
+    if not (os.path.isfile(path) and path.endswith(".safetensors")):
+        return False
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = list(f.keys())
+    except (OSError, ValueError, RuntimeError):
+        return False
+    return bool(keys) and all(".lora_A." in k or ".lora_B." in k for k in keys)
 
 
 def attach_lora(model, state, config, dropout=0.0):

@@ -85,9 +85,12 @@ def sampling_sigmas(steps, shift=3.0, device="cpu"):
 
 
 @torch.no_grad()
-def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, prediction="v"):
+def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, prediction="v", fresh_noise=None):
     """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text.
-    `prediction` says what the model outputs (see to_velocity)."""
+    `prediction` says what the model outputs (see to_velocity). With `fresh_noise` (a function -> noise shaped
+    like the latents), each step instead predicts the clean latent x0 = x - s * v and noises it afresh to the next
+    sigma: how a few-step distilled generator samples (diffusers' FlowMatchEulerDiscreteScheduler with
+    stochastic_sampling)."""
     x = noise
     sigmas = sampling_sigmas(steps, shift, device=noise.device)
     use_cfg = cfg != 1.0
@@ -100,5 +103,10 @@ def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, pre
         if use_cfg:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + cfg * (v_cond - v_uncond)
-        x = x + (s_next - s) * v
+        if fresh_noise is None:
+            x = x + (s_next - s) * v
+        else:
+            x = x - s * v
+            if s_next > 0:
+                x = (1 - s_next) * x + s_next * fresh_noise()
     return x

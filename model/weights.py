@@ -16,9 +16,10 @@ from model.checkpoint import (
 from model.components import ComponentsError, build_components, check_widths
 from model.diffusers_io import (
     DIFFUSERS_WEIGHTS, diffusers_transformer_dir, diffusers_weight_files, export_diffusers, pipeline_shift,
-    read_diffusers_state,
+    read_diffusers_state, scheduler_settings,
 )
 from model.errors import UserError
+from model.model_lora import is_lora_file
 from model.file_io import json_digest, sha256_of
 from model.model_sd3light import PRESETS, SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
 
@@ -89,7 +90,8 @@ def export_weights(stem, step, model, state, components, record, dtype, pipeline
     written = save_weights(stem, step, model, state, components.trained_state_dict(), record, dtype)
     if record["prediction"] == "v":
         written += export_diffusers(stem, model.config, step_file(stem, step, ".safetensors"),
-                                    components.spec["path"] if pipeline else None, record["sampling"]["shift"])
+                                    components.spec["path"] if pipeline else None,
+                                    scheduler_settings(record["sampling"]))
     return written
 
 
@@ -185,6 +187,9 @@ def load_start_weights(from_weight, preset, prediction, out_dir, base=None):
     pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of `preset`,
     and predict `prediction` if it is given (None: whatever they predict).
     -> (model in fp32, components, record with "manifest": where they were read from)."""
+    if is_lora_file(from_weight):
+        raise UserError(f"--from_weight {from_weight} is a LoRA file (adapters, not whole weights): pass the weights "
+                        "it was trained on, and apply it when sampling (eval/eval_sample.py --lora)")
     if from_weight == "base":
         if not base:
             raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")

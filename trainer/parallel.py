@@ -25,21 +25,24 @@ from trainer.trainer_utils import leaves, map_leaves
 def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
     """-> the module to train: `model` itself (one process, or sharded in place with info.mesh), or DDP around it.
     `compile_blocks`: torch.compile each block's forward (FSDP's hooks stay outside the graph). `mixed_precision`:
-    the dtype FSDP computes in (bf16 on GPUs), gradients still reduced in fp32."""
+    the dtype FSDP computes in (bf16 on GPUs), gradients still reduced in fp32. A frozen model (a teacher) needs
+    no DDP; under FSDP it is sharded like the rest. A model without transformer blocks is one shard group."""
+    blocks = getattr(model, "transformer_blocks", ())
     if compile_blocks:
-        for block in model.transformer_blocks:
+        for block in blocks:
             block.forward = torch.compile(block.forward)
     if info.mesh is None:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model) if info.world_size > 1 else model
+        trains = any(p.requires_grad for p in model.parameters())
+        return DistributedDataParallel(model) if info.world_size > 1 and trains else model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     same_start(model, info)
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     # reshard_after_forward on the root too: after a no-grad forward (sample grids) no whole copy lingers
-    for block in model.transformer_blocks:
+    for block in blocks:
         fully_shard(block, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
     return model

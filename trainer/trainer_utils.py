@@ -69,13 +69,13 @@ def init_distributed(fsdp=0, shard_size=0):
     return DistInfo(rank, local_rank, world, device, mesh)
 
 
-def mean_and_any(value, flag, info):
-    """(mean of a float over ranks, whether `flag` is set on any rank), in one all-reduce."""
+def mean_and_any(values, flag, info):
+    """(the means of a list of floats over ranks, whether `flag` is set on any rank), in one all-reduce."""
     if info.world_size == 1:
-        return value, bool(flag)
-    t = torch.tensor([value, float(flag)], dtype=torch.float64, device=info.device)
+        return list(values), bool(flag)
+    t = torch.tensor([*values, float(flag)], dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
-    return t[0].item() / info.world_size, t[1].item() > 0
+    return [v / info.world_size for v in t[:-1].tolist()], t[-1].item() > 0
 
 
 class StopSignal:

@@ -49,8 +49,11 @@ NAN_STEPS_LIMIT = 10  # this many non-finite losses in a row stop the run
 class TrainingRun:
     """The bookkeeper of one run (the module's docstring shows how a stage uses it)."""
 
-    def __init__(self, args, info, stage, name):
+    def __init__(self, args, info, stage, name, sampling=None):
+        """`sampling`: how the sample grids draw and the export records it is drawn (eval.sampling.sample_images's
+        settings); by default the stage's --sample_steps, --sample_cfg and --sample_shift."""
         self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
+        self.sampling = sampling or {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
         self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
         self.metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
         self.generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, dropout
@@ -228,18 +231,21 @@ class TrainingRun:
         return lr
 
     def backward(self, micro_batches, loss_of):
-        """Forward and backward through each micro-batch (`loss_of(batch)` -> the loss), gradients accumulated.
-        -> the loss averaged over micro-batches and processes (one all-reduce, which also tells every rank
-        whether any was asked to stop)."""
-        total = 0.0
+        """Forward and backward through each micro-batch (`loss_of(batch)` -> the loss, or a dict of named losses
+        whose sum backward takes), gradients accumulated. -> the loss (or each named loss) averaged over
+        micro-batches and processes: one all-reduce, which also tells every rank whether any was asked to stop."""
+        totals, single = {}, False
         for batch in micro_batches:
-            loss = loss_of(batch)
-            (loss / self.args.accumulation_steps).backward()
-            total += loss.item()
-        loss, stop = mean_and_any(total / self.args.accumulation_steps, self.stop_signal.received is not None,
-                                  self.info)
+            losses = loss_of(batch)
+            single = not isinstance(losses, dict)
+            losses = {"loss": losses} if single else losses
+            (sum(losses.values()) / self.args.accumulation_steps).backward()
+            for name, loss in losses.items():
+                totals[name] = totals.get(name, 0.0) + loss.item()
+        means, stop = mean_and_any([total / self.args.accumulation_steps for total in totals.values()],
+                                   self.stop_signal.received is not None, self.info)
         self.stop = self.stop or stop
-        return loss
+        return means[0] if single else dict(zip(totals, means))
 
     def optimizer_step(self, optimizer, params, loss, grad_clip, ema=None):
         """Clip the gradients of `params`, step `optimizer` and update `ema`; -> the gradient norm. A loss or a
@@ -291,7 +297,9 @@ class TrainingRun:
             row["sample_ids"] = self.ids
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", img_s=f"{images_per_s:.0f}")
+        shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in metrics.items()
+                 if name != "grad_norm" and isinstance(value, float)}
+        self.bar.set_postfix(shown, img_s=f"{images_per_s:.0f}")
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=self.step)
 
@@ -340,7 +348,7 @@ class TrainingRun:
         return {"stage": self.stage, "preset": a.preset, "samples_seen": self.samples_seen,
                 "resolution": a.resolution, "prediction": a.prediction, "ema": a.ema_decay > 0,
                 "save_dtype": a.save_dtype, "transformer": config.to_dict(), "components": components.spec,
-                "sampling": {"steps": a.sample_steps, "cfg": a.sample_cfg, "shift": a.sample_shift}, **extra,
+                "sampling": self.sampling, **extra,
                 "args": vars(a)}
 
     def sample_grid(self, sample_model):
@@ -351,9 +359,8 @@ class TrainingRun:
             return
         a = self.args
         with sample_model() as model:
-            images = sample_images(model, self.components, self.prompts, seed=a.seed, steps=a.sample_steps,
-                                   cfg=a.sample_cfg, shift=a.sample_shift, resolution=a.resolution,
-                                   device=self.device, prediction=a.prediction)
+            images = sample_images(model, self.components, self.prompts, seed=a.seed, **self.sampling,
+                                   resolution=a.resolution, device=self.device, prediction=a.prediction)
         if not self.info.is_main:
             return
         path = os.path.join(a.out_dir, "samples", f"{self.name}_step{self.step:06d}.png")

@@ -1,0 +1,97 @@
+"""The distillation demo, measured: the teacher with its own sampler (20 Euler steps, classifier-free guidance) vs
+the distilled student in 4, 2 and 1 steps without guidance, on the same prompts and noise.
+
+    python trainer/train_pretrain.py          # the teacher: out/pretrain_tiny
+    python trainer/train_distill.py           # the student: out/distill_tiny
+    python bench/bench_distill_demo.py        # scores, evaluations and time per image; docs/distill_demo.png
+
+Scores are eval_geneval's six tasks on the training-grammar and held-out prompts, once per --seeds (each seed
+draws other noise for every image). Transformer evaluations per image: steps, twice with guidance. Time per image:
+the wall clock of sampling the score's images, over their number (batches of --batch_size, this machine).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.shapes import ShapesDataset  # noqa: E402
+from eval.eval_geneval import all_prompts, generate, score  # noqa: E402
+from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.file_io import atomic_write_text  # noqa: E402
+from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
+
+
+def samplers(teacher_record, student_record, student_steps):
+    """(label, which weights, sampler settings): the teacher's own, then the student's at each step count."""
+    rows = [("teacher", "teacher", sampling_settings(teacher_record))]
+    rows += [(f"student {steps} step{'s' * (steps > 1)}", "student", sampling_settings(student_record, steps=steps))
+             for steps in student_steps]
+    return rows
+
+
+def measure(model, components, record, specs, sampling, seed, batch_size):
+    """-> (overall scores, seconds per image) of one sampler and seed."""
+    t0 = time.perf_counter()
+    images = generate(model, components, record, specs, 4, sampling, seed=seed, batch_size=batch_size)
+    seconds = (time.perf_counter() - t0) / sum(len(per_spec) for per_spec in images)
+    _, overall, _ = score(specs, images)
+    return overall, seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--teacher", default="pretrain_tiny")
+    parser.add_argument("--student", default="distill_tiny")
+    parser.add_argument("--student_steps", type=int, nargs="+", default=[4, 2, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="noise seeds of the scores")
+    parser.add_argument("--prompts_per_task", type=int, default=24)
+    parser.add_argument("--batch_size", type=int, default=256)
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
+    parser.add_argument("--grid", default=os.path.join(REPO_ROOT, "docs", "distill_demo.png"))
+    parser.add_argument("--json", default=None, help="default: out/bench_<student>.json")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = {"teacher": load_for_sampling(args.teacher, args.out_dir, device)[:3],
+              "student": load_for_sampling(args.student, args.out_dir, device)[:3]}
+    specs, demo_prompts = all_prompts(args.prompts_per_task), ShapesDataset().sample_prompts()
+    report = {"teacher": loaded["teacher"][2]["manifest"], "student": loaded["student"][2]["manifest"],
+              "student_step": loaded["student"][2]["step"], "prompts_per_task": args.prompts_per_task,
+              "images_per_prompt": 4, "rows": []}
+    grid_images, grid_captions = [], []
+    for label, which, sampling in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
+        model, components, record = loaded[which]
+        row = {"sampler": label, "sampling": sampling,
+               "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1), "seeds": {}}
+        for seed in args.seeds:
+            overall, seconds = measure(model, components, record, specs, sampling, seed, args.batch_size)
+            row["seeds"][seed] = {"heldout": overall["heldout"], "train": overall["train"], "s_per_image": seconds}
+            print(f"{label:<16} seed {seed}: held-out {overall['heldout']:.3f}, train {overall['train']:.3f}, "
+                  f"{row['evaluations']} evaluations, {seconds * 1000:.1f} ms/image", flush=True)
+        report["rows"].append(row)
+        grid_images.append(sample_images(model, components, demo_prompts, seed=0, **sampling,
+                                         resolution=record["resolution"], device=device,
+                                         prediction=record["prediction"]))
+        grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
+
+    print(f"\n| sampler | evaluations / image | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train | "
+          "ms / image |\n|---|---|---|---|---|")
+    for row in report["rows"]:
+        per_seed = list(row["seeds"].values())
+        held, train = (" / ".join(f"{r[split]:.3f}" for r in per_seed) for split in ("heldout", "train"))
+        ms = sum(r["s_per_image"] for r in per_seed) / len(per_seed) * 1000
+        print(f"| {row['sampler']} | {row['evaluations']} | {held} | {train} | {ms:.1f} |")
+    save_grid(args.grid, torch.cat(grid_images), grid_captions, columns=len(demo_prompts))
+    json_path = args.json or os.path.join(args.out_dir, f"bench_{args.student}.json")
+    atomic_write_text(json_path, json.dumps(report, indent=1) + "\n")
+    print(f"grid {args.grid} (a row per sampler); report {json_path}")
+
+
+if __name__ == "__main__":
+    run_main(main)
