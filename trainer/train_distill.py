@@ -31,7 +31,7 @@ from dataset.training_data import (  # noqa: E402
     check_image_sizes, features_to_train_on, sample_prompts_for, training_dataset,
 )
 from model.checkpoint import manifest_path  # noqa: E402
-from model.errors import run_main  # noqa: E402
+from model.errors import UserError, run_main  # noqa: E402
 from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import (  # noqa: E402
@@ -100,6 +100,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.gan_weight > 0 and args.fsdp:
+        raise UserError("--gan_weight with --fsdp 1 is not supported yet: train the GAN term under DDP")
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
     torch.manual_seed(args.seed)
 
