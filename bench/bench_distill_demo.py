@@ -25,6 +25,8 @@ from model.errors import run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
 
+IMAGES_PER_PROMPT = 4  # as eval_geneval.py scores by default
+
 
 def samplers(teacher_record, student_record, student_steps):
     """(label, which weights, sampler settings): the teacher's own, then the student's at each step count."""
@@ -37,7 +39,7 @@ def samplers(teacher_record, student_record, student_steps):
 def measure(model, components, record, specs, sampling, seed, batch_size):
     """-> (overall scores, seconds per image) of one sampler and seed."""
     t0 = time.perf_counter()
-    images = generate(model, components, record, specs, 4, sampling, seed=seed, batch_size=batch_size)
+    images = generate(model, components, record, specs, IMAGES_PER_PROMPT, sampling, seed=seed, batch_size=batch_size)
     seconds = (time.perf_counter() - t0) / sum(len(per_spec) for per_spec in images)
     _, overall, _ = score(specs, images)
     return overall, seconds
@@ -63,7 +65,7 @@ def main():
     specs, demo_prompts = all_prompts(args.prompts_per_task), ShapesDataset().sample_prompts()
     report = {"teacher": loaded["teacher"][2]["manifest"], "student": loaded["student"][2]["manifest"],
               "student_step": loaded["student"][2]["step"], "prompts_per_task": args.prompts_per_task,
-              "images_per_prompt": 4, "rows": []}
+              "images_per_prompt": IMAGES_PER_PROMPT, "rows": []}
     grid_images, grid_captions = [], []
     for label, which, sampling in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
         model, components, record = loaded[which]

@@ -95,7 +95,7 @@ def export_diffusers(folder, config, weights_file, pipeline_from=None, scheduler
     return written
 
 
-def link_pipeline_parts(folder, base, scheduler_settings):
+def link_pipeline_parts(folder, base, settings):
     """The frozen parts of the pipeline folder `base` linked into `folder`, its scheduler with our settings."""
     with open(os.path.join(base, "model_index.json"), encoding="utf-8") as f:
         index = json.load(f)
@@ -121,5 +121,5 @@ def link_pipeline_parts(folder, base, scheduler_settings):
     with open(os.path.join(base, "scheduler", "scheduler_config.json"), encoding="utf-8") as f:
         scheduler = json.load(f)
     atomic_write_text(os.path.join(folder, "scheduler", "scheduler_config.json"),
-                      json.dumps({**scheduler, **scheduler_settings}, indent=2) + "\n")
+                      json.dumps({**scheduler, **settings}, indent=2) + "\n")
     atomic_write_text(os.path.join(folder, "model_index.json"), json.dumps(index, indent=2) + "\n")

@@ -84,6 +84,12 @@ def sampling_sigmas(steps, shift=3.0, device="cpu"):
     return shift_sigmas(torch.linspace(1.0, 0.0, steps + 1, device=device), shift)
 
 
+def with_unconditional(tokens, pooled):
+    """The text batched twice, conditioned then unconditional (zero text): one forward for classifier-free
+    guidance, whose output splits with .chunk(2) into (cond, uncond)."""
+    return torch.cat([tokens, torch.zeros_like(tokens)]), torch.cat([pooled, torch.zeros_like(pooled)])
+
+
 @torch.no_grad()
 def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, prediction="v", fresh_noise=None):
     """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text.
@@ -95,8 +101,7 @@ def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, pre
     sigmas = sampling_sigmas(steps, shift, device=noise.device)
     use_cfg = cfg != 1.0
     if use_cfg:
-        tokens = torch.cat([tokens, torch.zeros_like(tokens)])
-        pooled = torch.cat([pooled, torch.zeros_like(pooled)])
+        tokens, pooled = with_unconditional(tokens, pooled)
     for s, s_next in zip(sigmas[:-1], sigmas[1:]):
         model_in = torch.cat([x, x]) if use_cfg else x
         v = predict_velocity(model, model_in, tokens, pooled, s.expand(model_in.shape[0]), prediction).float()

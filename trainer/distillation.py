@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.rectified_flow import add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas
+from model.rectified_flow import (
+    add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas, with_unconditional,
+)
 from trainer.arguments import autocast_dtype
 
 
@@ -98,8 +100,8 @@ def guided_x0(teacher, x_t, tokens, pooled, s, prediction, dtype, guidance):
     on v, since x0 is affine in v."""
     if guidance == 1.0:
         return predict_x0(teacher, x_t, tokens, pooled, s, prediction, dtype)
-    both = predict_x0(teacher, torch.cat([x_t, x_t]), torch.cat([tokens, torch.zeros_like(tokens)]),
-                      torch.cat([pooled, torch.zeros_like(pooled)]), torch.cat([s, s]), prediction, dtype)
+    both = predict_x0(teacher, torch.cat([x_t, x_t]), *with_unconditional(tokens, pooled), torch.cat([s, s]),
+                      prediction, dtype)
     cond, uncond = both.chunk(2)
     return uncond + guidance * (cond - uncond)
 
