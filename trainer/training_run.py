@@ -53,7 +53,7 @@ class TrainingRun:
         """`sampling`: how the sample grids draw and the export records it is drawn (eval.sampling.sample_images's
         settings); by default the stage's --sample_steps, --sample_cfg and --sample_shift."""
         self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
-        self.sampling = sampling or {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
+        self.given_sampling = sampling
         self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
         self.metrics_path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
         self.generator = torch.Generator().manual_seed(args.seed * 1000 + info.rank)  # sigmas, noise, dropout
@@ -70,6 +70,11 @@ class TrainingRun:
                 self.bar.write(msg)
             else:
                 print(msg, flush=True)
+
+    @property
+    def sampling(self):
+        a = self.args
+        return self.given_sampling or {"steps": a.sample_steps, "cfg": a.sample_cfg, "shift": a.sample_shift}
 
     @property
     def finished(self):
