@@ -29,20 +29,25 @@ IMAGES_PER_PROMPT = 4  # as eval_geneval.py scores by default
 
 
 def samplers(teacher_record, student_record, student_steps):
-    """(label, which weights, sampler settings): the teacher's own, then the student's at each step count."""
-    rows = [("teacher", "teacher", sampling_settings(teacher_record))]
+    """(label, which weights, sampler settings): the teacher's own; the teacher's weights in the student's steps,
+    with their guidance and deterministic Euler, and as the student samples (re-noising, no guidance: the student
+    before distillation); then the student's at each step count."""
+    steps = student_record["sampling"]["steps"]
+    rows = [("teacher", "teacher", sampling_settings(teacher_record)),
+            (f"teacher {steps} steps", "teacher", sampling_settings(teacher_record, steps=steps)),
+            (f"undistilled {steps} steps", "teacher", {**sampling_settings(student_record), "steps": steps})]
     rows += [(f"student {steps} step{'s' * (steps > 1)}", "student", sampling_settings(student_record, steps=steps))
              for steps in student_steps]
     return rows
 
 
 def measure(model, components, record, specs, sampling, seed, batch_size):
-    """-> (overall scores, seconds per image) of one sampler and seed."""
+    """-> (overall scores, {task: held-out score}, seconds per image) of one sampler and seed."""
     t0 = time.perf_counter()
     images = generate(model, components, record, specs, IMAGES_PER_PROMPT, sampling, seed=seed, batch_size=batch_size)
     seconds = (time.perf_counter() - t0) / sum(len(per_spec) for per_spec in images)
-    _, overall, _ = score(specs, images)
-    return overall, seconds
+    table, overall, _ = score(specs, images)
+    return overall, {task: by_split["heldout"] for task, by_split in table.items()}, seconds
 
 
 def main():
@@ -72,8 +77,9 @@ def main():
         row = {"sampler": label, "sampling": sampling,
                "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1), "seeds": {}}
         for seed in args.seeds:
-            overall, seconds = measure(model, components, record, specs, sampling, seed, args.batch_size)
-            row["seeds"][seed] = {"heldout": overall["heldout"], "train": overall["train"], "s_per_image": seconds}
+            overall, tasks, seconds = measure(model, components, record, specs, sampling, seed, args.batch_size)
+            row["seeds"][seed] = {"heldout": overall["heldout"], "train": overall["train"], "s_per_image": seconds,
+                                  "heldout_tasks": tasks}
             print(f"{label:<16} seed {seed}: held-out {overall['heldout']:.3f}, train {overall['train']:.3f}, "
                   f"{row['evaluations']} evaluations, {seconds * 1000:.1f} ms/image", flush=True)
         report["rows"].append(row)
@@ -89,6 +95,12 @@ def main():
         held, train = (" / ".join(f"{r[split]:.3f}" for r in per_seed) for split in ("heldout", "train"))
         ms = sum(r["s_per_image"] for r in per_seed) / len(per_seed) * 1000
         print(f"| {row['sampler']} | {row['evaluations']} | {held} | {train} | {ms:.1f} |")
+    tasks = list(report["rows"][0]["seeds"][args.seeds[0]]["heldout_tasks"])
+    print(f"\nheld-out by task, mean of the seeds\n| sampler | {' | '.join(tasks)} |\n|---|{'---|' * len(tasks)}")
+    for row in report["rows"]:
+        per_seed = list(row["seeds"].values())
+        means = (sum(r["heldout_tasks"][task] for r in per_seed) / len(per_seed) for task in tasks)
+        print(f"| {row['sampler']} | {' | '.join(f'{m:.3f}' for m in means)} |")
     save_grid(args.grid, torch.cat(grid_images), grid_captions, columns=len(demo_prompts))
     json_path = args.json or os.path.join(args.out_dir, f"bench_{args.student}.json")
     atomic_write_text(json_path, json.dumps(report, indent=1) + "\n")

@@ -64,7 +64,8 @@ def test_the_generator_gradient_is_dmd2s_normalised_direction():
     guidance = 3.0
     nets = Networks(teacher=Answers(real_cond, real_uncond), generator=None, generator_train=None,
                     fake=Answers(fake), fake_train=None)
-    args = type("Args", (), {"dtype": "fp32", "prediction": "x", "real_guidance": guidance})()
+    args = type("Args", (), {"dtype": "fp32", "prediction": "x", "real_guidance": guidance,
+                             "guidance_interval": (0.0, 1.0)})()
     s = torch.tensor([0.3, 0.7])
     loss = dmd_loss(nets, x0_gen, torch.ones(2, 5, 8), torch.ones(2, 8), s, torch.randn(2, 3, 4, 4), args)
     loss.backward()
@@ -77,6 +78,21 @@ def test_the_generator_gradient_is_dmd2s_normalised_direction():
     # it points from the teacher's estimate to the fake score's: descending moves towards the teacher
     direction = (fake - x0_real).flatten(1)
     assert (torch.nn.functional.cosine_similarity(x0_gen.grad.flatten(1), direction) > 0.999).all()
+
+
+def test_the_teachers_guidance_applies_only_inside_its_interval():
+    g = torch.Generator().manual_seed(1)
+    x_t, cond, uncond = (torch.randn(4, 3, 4, 4, generator=g) for _ in range(3))
+    teacher, s = Answers(cond, uncond), torch.tensor([0.1, 0.5, 0.6, 0.9])
+    tokens, pooled = torch.ones(4, 5, 8), torch.ones(4, 8)
+    guided_everywhere = uncond + 3.0 * (cond - uncond)
+    inside = distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0, interval=(0.2, 0.7))
+    assert torch.allclose(inside[[0, 3]], cond[[0, 3]], atol=1e-6)  # outside (0.2, 0.7]: the plain conditional estimate
+    assert torch.allclose(inside[1:3], guided_everywhere[1:3], atol=1e-6)
+    assert torch.allclose(distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0), guided_everywhere,
+                          atol=1e-6)
+    nowhere = distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0, interval=(0.9, 1.0))
+    assert torch.allclose(nowhere, cond, atol=1e-6)
 
 
 def test_diffusers_schedules_the_generators_steps_when_its_scheduler_is_set():

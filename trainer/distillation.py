@@ -1,7 +1,7 @@
 """The losses that distillation (trainer/train_distill.py) trains: DMD2 (Yin et al. 2024; REFERENCE section 5) on
 rectified flow. Three transformers start as the teacher:
 
-    teacher     frozen: the real score, with classifier-free guidance
+    teacher     frozen: the real score, with classifier-free guidance (at the sigmas of --guidance_interval)
     fake score  trained with the ordinary flow loss on the generator's samples (detached): the score of what the
                 generator draws
     generator   a few-step sampler, trained with the distribution-matching loss: its samples move along
@@ -95,15 +95,18 @@ def predict_x0(model, x_t, tokens, pooled, s, prediction, dtype):
     return x_t.float() - s.float().view(-1, 1, 1, 1) * v.float()
 
 
-def guided_x0(teacher, x_t, tokens, pooled, s, prediction, dtype, guidance):
-    """The teacher's x0 with classifier-free guidance against the zero (unconditional) text; guidance acts on x0 as
-    on v, since x0 is affine in v."""
-    if guidance == 1.0:
+def guided_x0(teacher, x_t, tokens, pooled, s, prediction, dtype, guidance, interval=(0.0, 1.0)):
+    """The teacher's x0 with classifier-free guidance against the zero (unconditional) text for the samples whose
+    sigma lies in `interval` (lowest, highest], its plain conditional x0 elsewhere (guidance in a limited interval,
+    Kynkaanniemi et al. 2024); guidance acts on x0 as on v, since x0 is affine in v."""
+    inside = (s > interval[0]) & (s <= interval[1])
+    if guidance == 1.0 or not bool(inside.any()):
         return predict_x0(teacher, x_t, tokens, pooled, s, prediction, dtype)
     both = predict_x0(teacher, torch.cat([x_t, x_t]), *with_unconditional(tokens, pooled), torch.cat([s, s]),
                       prediction, dtype)
     cond, uncond = both.chunk(2)
-    return uncond + guidance * (cond - uncond)
+    scale = torch.where(inside, guidance, 1.0).view(-1, 1, 1, 1).to(cond)
+    return uncond + scale * (cond - uncond)
 
 
 def generate(nets, noise, tokens, pooled, sigmas, k, rng, prediction, dtype, grad):
@@ -132,7 +135,8 @@ def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, args):
     dtype = autocast_dtype(args.dtype, x0_gen.device)
     with torch.no_grad():
         x_t = add_noise(x0_gen.detach(), noise, s)
-        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, args.prediction, dtype, args.real_guidance)
+        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, args.prediction, dtype, args.real_guidance,
+                            args.guidance_interval)
         x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, args.prediction, dtype)
         grad = dmd_direction(x0_gen.detach(), x0_real, x0_fake)
     return 0.5 * F.mse_loss(x0_gen, (x0_gen - grad).detach())

@@ -7,17 +7,18 @@ teacher takes 20 steps with classifier-free guidance (40 transformer evaluations
     python trainer/train_distill.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
 
 The recipe (trainer/distillation.py, DMD2 on rectified flow): three copies of `--from_weight`. The teacher is
-frozen and guided (--real_guidance, default: the guidance its own sample grids used). The fake score learns, every
-step, the flow loss on the generator's samples (detached). The generator learns every 5th step: it samples from
-noise on 4 fixed sigmas (the teacher sampler's, shifted alike), and the distribution-matching loss moves its sample
-along x0_fake - x0_real, both scores reading it noised at a random sigma. AdamW at 1e-4 for both, 50 warmup steps,
-constant after; an EMA of the generator (0.99), exported and sampled; 1,200 steps of 16 captions from the
-built-in data; saved every 200 steps and at the end. Writes out/distill_<preset>.json (the generator's weights; its
-record says it samples in 4 steps with re-noising and no guidance, which eval/eval_sample.py and
-eval/eval_geneval.py follow), sample grids in out/samples/ (step 0: the teacher's weights sampled in 4 steps),
-metrics in out/distill_<preset>_metrics.jsonl and the resume checkpoint (both networks, both optimizers, the EMA,
-the data position) checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with
---from_resume 1.
+frozen and guided (--real_guidance, default: the guidance its own sample grids used) where the scores compare at
+sigma 0.5 or below, and plain above (a guided target at high noise costs the student its shapes: BENCHMARKS.md).
+The fake score learns, every step, the flow loss on the generator's samples (detached). The generator learns every
+5th step: it samples from noise on 4 fixed sigmas (the teacher sampler's, shifted alike), and the
+distribution-matching loss moves its sample along x0_fake - x0_real, both scores reading it noised at a random
+sigma. AdamW at 1e-4 for both, 50 warmup steps, constant after; an EMA of the generator (0.99), exported and
+sampled; 600 steps of 16 captions from the built-in data; saved every 200 steps and at the end. Writes
+out/distill_<preset>.json (the generator's weights; its record says it samples in 4 steps with re-noising and no
+guidance, which eval/eval_sample.py and eval/eval_geneval.py follow), sample grids in out/samples/ (step 0: the
+teacher's weights sampled in 4 steps), metrics in out/distill_<preset>_metrics.jsonl and the resume checkpoint
+(both networks, both optimizers, the EMA, the data position) checkpoints/distill_<preset>_resume.json. Stop with
+SIGTERM or Ctrl-C; continue with --from_resume 1.
 """
 import contextlib
 import copy
@@ -65,6 +66,9 @@ def parse_args(argv=None):
                         "default: the teacher's sampling shift")
     recipe.add_argument("--real_guidance", type=non_negative_float, default=None, help="classifier-free guidance "
                         "of the teacher's score; default: what the teacher's sample grids used")
+    recipe.add_argument("--guidance_interval", type=probability, nargs=2, default=[0.0, 0.5],
+                        metavar=("LOW", "HIGH"), help="the teacher's guidance applies where the scores compare at a "
+                        "sigma in (LOW, HIGH]; elsewhere its plain score")
     recipe.add_argument("--gen_update_ratio", type=positive_int, default=5, help="the generator learns every Nth "
                         "step, the fake score every step")
     recipe.add_argument("--score_shift", type=positive_float, default=None, help="shift of the sigmas at which "
@@ -89,7 +93,7 @@ def parse_args(argv=None):
                         "0 = none")
     recipe.add_argument("--seed", type=non_negative_int, default=0)
     length.add_argument("--epochs", type=positive_int, default=1)
-    length.add_argument("--max_steps", type=non_negative_int, default=1200, help="optimizer steps; 0 = run "
+    length.add_argument("--max_steps", type=non_negative_int, default=600, help="optimizer steps; 0 = run "
                         "--epochs")
     free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
                       "pipeline folder whose scheduler samples the generator's steps (needs --base and "
@@ -116,8 +120,9 @@ def main(argv=None):
     sigmas = [round(s, 6) for s in generator_sigmas(args.gen_steps, args.gen_shift).tolist()]
     run = TrainingRun(args, info, "distill", run_name("distill", args.preset),
                       sampling={"steps": args.gen_steps, "cfg": 1.0, "shift": args.gen_shift, "renoise": True})
+    low, high = args.guidance_interval
     run.log(f"teacher {start['manifest']} (step {start['step']}, predicts {start['prediction']}, guidance "
-            f"{args.real_guidance:g}); the generator samples at sigmas {sigmas}")
+            f"{args.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
     dataset = training_dataset(args, components, teacher.config.patch_size, run.log)
     prompts = sample_prompts_for(dataset, args.sample_prompts)
     generator, fake = copy.deepcopy(teacher), copy.deepcopy(teacher)
