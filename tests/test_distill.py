@@ -168,6 +168,7 @@ def test_the_export_samples_in_the_generators_steps_without_being_told(tmp_path,
 @pytest.mark.parametrize("bad, message", [
     (["--preset", "small"], "holds 'tiny' weights, not --preset small"),
     (["--gen_steps", "0"], "argument --gen_steps: must be a whole number >= 1, got 0"),
+    (["--guidance_interval", "0.6", "0.4"], "--guidance_interval 0.6 0.4 is empty: LOW must be below HIGH"),
 ])
 def test_bad_settings_are_one_line_errors(tmp_path, teacher, bad, message):
     result = run(["trainer/train_distill.py", *argv(tmp_path, teacher, *bad)], check=False)

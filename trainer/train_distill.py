@@ -106,6 +106,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.gan_weight > 0 and args.fsdp:
         raise UserError("--gan_weight with --fsdp 1 is not supported yet: train the GAN term under DDP")
+    if args.guidance_interval[0] >= args.guidance_interval[1]:
+        raise UserError("--guidance_interval {:g} {:g} is empty: LOW must be below HIGH (no guidance at all is "
+                        "--real_guidance 1)".format(*args.guidance_interval))
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
     torch.manual_seed(args.seed)
 
