@@ -13,19 +13,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import ShapesDataset  # noqa: E402
-from eval.eval_geneval import all_prompts, generate, score  # noqa: E402
+from bench.demo_scores import IMAGES_PER_PROMPT, measure, per_seed, task_table  # noqa: E402
+from eval.eval_geneval import all_prompts  # noqa: E402
 from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
-
-IMAGES_PER_PROMPT = 4  # as eval_geneval.py scores by default
 
 
 def samplers(teacher_record, student_record, student_steps):
@@ -39,15 +37,6 @@ def samplers(teacher_record, student_record, student_steps):
     rows += [(f"student {steps} step{'s' * (steps > 1)}", "student", sampling_settings(student_record, steps=steps))
              for steps in student_steps]
     return rows
-
-
-def measure(model, components, record, specs, sampling, seed, batch_size):
-    """-> (overall scores, {task: held-out score}, seconds per image) of one sampler and seed."""
-    t0 = time.perf_counter()
-    images = generate(model, components, record, specs, IMAGES_PER_PROMPT, sampling, seed=seed, batch_size=batch_size)
-    seconds = (time.perf_counter() - t0) / sum(len(per_spec) for per_spec in images)
-    table, overall, _ = score(specs, images)
-    return overall, {task: by_split["heldout"] for task, by_split in table.items()}, seconds
 
 
 def main():
@@ -74,14 +63,12 @@ def main():
     grid_images, grid_captions = [], []
     for label, which, sampling in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
         model, components, record = loaded[which]
-        row = {"sampler": label, "sampling": sampling,
+        row = {"label": label, "sampling": sampling,
                "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1), "seeds": {}}
         for seed in args.seeds:
-            overall, tasks, seconds = measure(model, components, record, specs, sampling, seed, args.batch_size)
-            row["seeds"][seed] = {"heldout": overall["heldout"], "train": overall["train"], "s_per_image": seconds,
-                                  "heldout_tasks": tasks}
-            print(f"{label:<16} seed {seed}: held-out {overall['heldout']:.3f}, train {overall['train']:.3f}, "
-                  f"{row['evaluations']} evaluations, {seconds * 1000:.1f} ms/image", flush=True)
+            result = row["seeds"][seed] = measure(model, components, record, specs, sampling, seed, args.batch_size)
+            print(f"{label:<16} seed {seed}: held-out {result['heldout']:.3f}, train {result['train']:.3f}, "
+                  f"{row['evaluations']} evaluations, {result['s_per_image'] * 1000:.1f} ms/image", flush=True)
         report["rows"].append(row)
         grid_images.append(sample_images(model, components, demo_prompts, seed=0, **sampling,
                                          resolution=record["resolution"], device=device,
@@ -91,16 +78,10 @@ def main():
     print(f"\n| sampler | evaluations / image | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train | "
           "ms / image |\n|---|---|---|---|---|")
     for row in report["rows"]:
-        per_seed = list(row["seeds"].values())
-        held, train = (" / ".join(f"{r[split]:.3f}" for r in per_seed) for split in ("heldout", "train"))
-        ms = sum(r["s_per_image"] for r in per_seed) / len(per_seed) * 1000
-        print(f"| {row['sampler']} | {row['evaluations']} | {held} | {train} | {ms:.1f} |")
-    tasks = list(report["rows"][0]["seeds"][args.seeds[0]]["heldout_tasks"])
-    print(f"\nheld-out by task, mean of the seeds\n| sampler | {' | '.join(tasks)} |\n|---|{'---|' * len(tasks)}")
-    for row in report["rows"]:
-        per_seed = list(row["seeds"].values())
-        means = (sum(r["heldout_tasks"][task] for r in per_seed) / len(per_seed) for task in tasks)
-        print(f"| {row['sampler']} | {' | '.join(f'{m:.3f}' for m in means)} |")
+        ms = sum(r["s_per_image"] for r in row["seeds"].values()) / len(row["seeds"]) * 1000
+        print(f"| {row['label']} | {row['evaluations']} | {per_seed(row, 'heldout')} | {per_seed(row, 'train')} | "
+              f"{ms:.1f} |")
+    print(f"\nby task, mean of the seeds\n{task_table(report['rows'], 'heldout')}")
     save_grid(args.grid, torch.cat(grid_images), grid_captions, columns=len(demo_prompts))
     json_path = args.json or os.path.join(args.out_dir, f"bench_{args.student}.json")
     atomic_write_text(json_path, json.dumps(report, indent=1) + "\n")

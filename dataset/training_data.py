@@ -14,6 +14,7 @@ import torch.distributed as dist
 from dataset.buckets import bucket_layout, bucket_sizes
 from dataset.cache import build_cache
 from dataset.image_folder import build_dataset, read_prompt_file
+from dataset.preference_pairs import encode_pairs
 from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION
 from model.components import BuiltinComponents, SD3Components
 from model.errors import UserError
@@ -86,6 +87,8 @@ def data_fingerprint(dataset, resolution):
         parts = [data_fingerprint(d, resolution) for d in dataset.datasets]
         return {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
     sizes = [list(size) for size in bucket_layout(dataset, resolution)[1]]
+    if hasattr(dataset, "fingerprint"):  # preference pairs
+        return {**dataset.fingerprint(), "sizes": sizes}
     if hasattr(dataset, "items"):  # user images
         files = []
         for path, _ in dataset.items:
@@ -117,12 +120,15 @@ def cached_dataset(args, dataset, components, info, log):
     def encode(indices):
         items = [dataset[i] for i in indices]
         features = [None] * len(items)
-        by_size = {}
+        by_size, pairs = {}, "chosen" in items[0]  # preference pairs: both images and the caption
         for k, item in enumerate(items):  # one encoder batch per image size (bucket)
-            by_size.setdefault(tuple(item["image"].shape), []).append(k)
+            by_size.setdefault(tuple(item["chosen" if pairs else "image"].shape), []).append(k)
         for group in by_size.values():
-            images = torch.stack([items[k]["image"] for k in group]).to(info.device)
-            batch = components.encode(images, [items[k]["caption"] for k in group])
+            def stacked(key):
+                return torch.stack([items[k][key] for k in group]).to(info.device)
+            captions = [items[k]["caption"] for k in group]
+            batch = encode_pairs(components, stacked("chosen"), stacked("rejected"), captions) if pairs else \
+                components.encode(stacked("image"), captions)
             for j, k in enumerate(group):
                 features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
         return features

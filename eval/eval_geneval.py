@@ -50,36 +50,53 @@ HELD_PAIRS = sorted(HELD_OUT_PAIRS)
 # Prompts: fixed sets, a pure function of (task, split, number)
 
 
+def random_spec(task, rng, own, others):
+    """One prompt spec of a task from `rng`, holding a pair of `own` (a relation: with a partner from `others`,
+    on either side) -> {"task", "kind", "caption", "objects": [(colour, shape)], ...}, or None for a draw to redo."""
+    kind, pair = PROMPT_KIND[task], rng.choice(own)
+    spec = {"task": task, "kind": kind}
+    if kind == "single":
+        size, position = rng.choice(SIZES), rng.choice(POSITIONS)
+        spec.update(objects=[pair], size=size, position=position,
+                    caption=single_caption(pair[0], pair[1], size, position))
+    elif kind == "count":
+        count = rng.choice(list(NUMBER_WORDS))
+        spec.update(objects=[pair], count=count, caption=count_caption(count, *pair))
+    else:
+        other = rng.choice(others)
+        first, second = (pair, other) if rng.random() < 0.5 else (other, pair)
+        if first == second:
+            return None
+        relation = rng.choice(list(RELATIONS))
+        spec.update(objects=[first, second], relation=relation, caption=relation_caption(first, relation, second))
+    return spec
+
+
 def prompt_set(task, split, n, pairs=None):
     """n distinct prompt specs {"task", "split", "caption", "objects": [(colour, shape)], ...} for a task. Each
     prompt holds a pair of the split, or of `pairs` if given (e.g. a colour taught by a LoRA)."""
     rng = random.Random(f"geneval-{task}-{split}" + (f"-{pairs}" if pairs else ""))
     own = pairs or (HELD_PAIRS if split == "heldout" else TRAIN_PAIRS)
     others = TRAIN_PAIRS + own if split == "heldout" or pairs else TRAIN_PAIRS
-    kind, specs, captions = PROMPT_KIND[task], [], set()
+    specs, captions = [], set()
     for _ in range(100 * n):
         if len(specs) == n:
             break
-        pair = rng.choice(own)
-        spec = {"task": task, "split": split, "kind": kind}
-        if kind == "single":
-            size, position = rng.choice(SIZES), rng.choice(POSITIONS)
-            spec.update(objects=[pair], size=size, position=position,
-                        caption=single_caption(pair[0], pair[1], size, position))
-        elif kind == "count":
-            count = rng.choice(list(NUMBER_WORDS))
-            spec.update(objects=[pair], count=count, caption=count_caption(count, *pair))
-        else:  # a held-out relation prompt holds at least one held-out pair, on either side
-            other = rng.choice(others)
-            first, second = (pair, other) if rng.random() < 0.5 else (other, pair)
-            if first == second:
-                continue
-            relation = rng.choice(list(RELATIONS))
-            spec.update(objects=[first, second], relation=relation,
-                        caption=relation_caption(first, relation, second))
-        if spec["caption"] not in captions:
+        spec = random_spec(task, rng, own, others)  # a held-out relation holds a held-out pair, on either side
+        if spec is not None and spec["caption"] not in captions:
             captions.add(spec["caption"])
-            specs.append(spec)
+            specs.append({**spec, "split": split})
+    return specs
+
+
+def training_prompts(n, seed, avoid=()):
+    """n prompt specs of the training grammar (no held-out pair in any), the six tasks in turn, drawn afresh for
+    each `seed`, none of whose captions is in `avoid` (e.g. the scored prompt sets)."""
+    rng, specs, avoid = random.Random(f"training-prompts-{seed}"), [], set(avoid)
+    while len(specs) < n:
+        spec = random_spec(TASKS[len(specs) % len(TASKS)], rng, TRAIN_PAIRS, TRAIN_PAIRS)
+        if spec is not None and spec["caption"] not in avoid:
+            specs.append({**spec, "split": "train"})
     return specs
 
 
@@ -110,6 +127,36 @@ def is_correct(spec, found):
         seconds = [o for o in found if o["shape"] == pairs[1][1]]
         return any(a is not b and holds((a["row"], a["col"]), (b["row"], b["col"])) for a in firsts for b in seconds)
     raise ValueError(f"unknown task {task!r}")
+
+
+def clauses_held(spec, found):
+    """found: objects from find_objects. -> (clauses of the prompt the image satisfies, clauses): a graded
+    verdict, from the shapes alone up to the whole prompt and nothing else drawn, so that of two wrong images
+    the nearer one scores higher (the preference pairs' reward)."""
+    pairs, kind = spec["objects"], spec["kind"]
+    shapes, objects = [o["shape"] for o in found], [(o["color"], o["shape"]) for o in found]
+    if kind == "single":
+        right = [o for o in found if (o["color"], o["shape"]) == pairs[0]]
+        clauses = [pairs[0][1] in shapes, bool(right), any(o["position"] == spec["position"] for o in right),
+                   any(o["position"] == spec["position"] and o["size"] == spec["size"] for o in right),
+                   len(found) == 1]
+    elif kind == "count":
+        clauses = [pairs[0][1] in shapes, shapes.count(pairs[0][1]) == spec["count"],
+                   objects.count(pairs[0]) == spec["count"], len(found) == spec["count"]]
+    else:
+        holds = RELATIONS[spec["relation"]]
+
+        def related(first, second):  # some first and some other second object in the relation
+            return any(a is not b and first(a) and second(b) and holds((a["row"], a["col"]), (b["row"], b["col"]))
+                       for a in found for b in found)
+        (_, a), (_, b) = pairs
+        clauses = [shapes.count(a) >= 2 if a == b else a in shapes and b in shapes,
+                   pairs[0] in objects, pairs[1] in objects,
+                   related(lambda o: o["shape"] == a, lambda o: o["shape"] == b),
+                   related(lambda o: (o["color"], o["shape"]) == pairs[0],
+                           lambda o: (o["color"], o["shape"]) == pairs[1]),
+                   len(found) == 2]
+    return sum(clauses), len(clauses)
 
 
 def ground_truth_image(spec, resolution, rng):

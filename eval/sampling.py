@@ -16,15 +16,17 @@ from model.weights import load_weights, resolve_lora, sampling_name, weights_ide
 
 
 def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction, renoise=False):
-    """Generate one image per prompt with fixed noise (seeded per prompt index) -> images in [-1, 1] on CPU.
-    `prediction` is what the model outputs, "x" or "v" (its weights record says which). `renoise`: sample as a
-    few-step distilled generator does, each step's x0 noised afresh (each prompt's fresh noise continues its own
-    seeded stream, as diffusers' pipeline draws it from its generator)."""
+    """Generate one image per prompt with fixed noise (prompt i's noise seeded with seed + i, or with seed[i] for
+    a list of seeds) -> images in [-1, 1] on CPU. `prediction` is what the model outputs, "x" or "v" (its weights
+    record says which). `renoise`: sample as a few-step distilled generator does, each step's x0 noised afresh
+    (each prompt's fresh noise continues its own seeded stream, as diffusers' pipeline draws it from its
+    generator)."""
     was_training = model.training
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
     shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)
-    streams = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
+    streams = [torch.Generator().manual_seed(s) for s in seeds]
 
     def fresh_noise():
         return torch.stack([torch.randn(shape, generator=stream) for stream in streams]).to(device)

@@ -101,9 +101,11 @@ def bucket_count(text):
 
 
 def add_plumbing_args(parser, data="builtin"):
-    """Components, data, cache, paths, resume, intervals, logging and hardware: the same for every stage."""
-    parser.identity.add_argument("--data", default=data, help="'builtin' shapes, a folder of images + .txt "
-                                 "captions, or a .jsonl manifest")
+    """Components, data, cache, paths, resume, intervals, logging and hardware: the same for every stage. `data`:
+    the default of --data; None for a stage that declares what it trains on itself (preference pairs)."""
+    if data is not None:
+        parser.identity.add_argument("--data", default=data, help="'builtin' shapes, a folder of images + .txt "
+                                     "captions, or a .jsonl manifest")
     a = parser.recipe.add_argument
     a("--base", default=None, help="a local diffusers SD3 / SD3.5 folder: its VAE and text encoders (T5 optional) "
       "replace the built-in components; `--from_weight base` starts from its transformer")

@@ -187,10 +187,16 @@ class TrainingRun:
         self.log(f"{self.stage}: {sum(trainable.values()) / 1e6:.1f}M trainable parameters, {len(self.dataset)} "
                  f"samples, global batch {self.global_batch}, {self.step + steps_left} steps, {self.info.world_size} "
                  f"process(es) on {self.device.type} ({how})")
-        if self.info.is_main:
+        self.bar_span = (self.step, self.step + steps_left)  # the bar opens when the first step ends (_open_bar)
+
+    def _open_bar(self):
+        """The progress bar, from the end of the first step on: an error in the first step (the one that meets bad
+        data, memory limits, an empty pair set) then prints as one line, with no half-drawn bar around it."""
+        if self.info.is_main and self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=self.step + steps_left, initial=self.step, desc=self.stage, dynamic_ncols=True)
+            first, total = self.bar_span
+            self.bar = tqdm(total=total, initial=first, desc=self.stage, dynamic_ncols=True)
 
     # ------------------------------------------------------------------------------------------------------------
     # The steps
@@ -276,6 +282,7 @@ class TrainingRun:
         """Count the step's samples, write its metrics (unless its update was skipped), then save (the resume
         checkpoint, then `export(step, weights)`) and draw a sample grid with `sample_model()` when due:
         every --save_interval / --sample_interval steps, at the end, and (saving only) on a stop signal."""
+        self._open_bar()
         self.consumed, self.samples_seen = self.consumed + self.global_batch, self.samples_seen + self.global_batch
         if self.args.log_sample_ids and self.info.world_size > 1:
             per_rank = [None] * self.info.world_size

@@ -1,0 +1,291 @@
+"""The preference stage (Flow-DPO): the loss is the formula, a pair of one image twice teaches nothing, the
+reference never changes, LoRA trains only its adapters, the pairs it draws never hold a held-out prompt, a
+manifest's bad lines are counted and passed over, the run resumes bitwise and runs on two processes and on SD3
+components."""
+import hashlib
+import json
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import trainer.train_dpo as train_dpo
+from dataset.shapes import GRAMMAR_WORDS, HELD_OUT_PAIRS, ShapesDataset
+from eval.eval_geneval import TASKS, all_prompts, clauses_held, ground_truth_image, prompt_set, training_prompts
+from eval.shape_scorer import find_objects
+from model.checkpoint import checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest
+from model.components import BuiltinComponents
+from model.model_lora import read_lora_file
+from trainer import preference
+from trainer.preference import flow_dpo_loss, frozen_copy_reference
+
+from tests.dpo_stand_in import brightness_scores
+from tests.scripts import run, run_in_process
+from tests.test_finetune import pretrain_weights
+from tests.test_sd3 import dirs
+from tests.tiny_sd3 import build_folder
+
+FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
+        "--pair_sample_steps", "2", "--warmup_steps", "2", "--sample_steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    return pretrain_weights(tmp_path_factory.mktemp("start"))
+
+
+def argv(run_dir, start_path, *extra):
+    return ["--from_weight", start_path, *FAST, "--out_dir", str(run_dir / "out"), "--save_dir",
+            str(run_dir / "ckpt"), "--cache_dir", str(run_dir / "cache"), *extra]
+
+
+class Scale(torch.nn.Module):
+    """A stand-in velocity model: v = w * x_t (prediction "v")."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(float(w)))
+
+    def forward(self, x, tokens, pooled, t):
+        return self.w * x
+
+
+def recipe(**kw):
+    return type("Args", (), {"dpo_beta": 50.0, "sigma_scheme": "uniform", "logit_mean": 0.0, "logit_std": 1.0,
+                             "train_shift": 1.0, "prediction": "v", "dtype": "fp32", **kw})()
+
+
+def cached_pairs(chosen, rejected):
+    return {"chosen_latents": chosen, "rejected_latents": rejected, "text_tokens": torch.ones(len(chosen), 3, 128),
+            "text_pooled": torch.ones(len(chosen), 128)}
+
+
+def test_the_loss_is_the_flow_dpo_formula():
+    g = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(2, 12, 4, 4, generator=g), torch.randn(2, 12, 4, 4, generator=g)
+    components = BuiltinComponents(GRAMMAR_WORDS)
+    policy, reference = Scale(0.3), Scale(-0.2)
+    out = flow_dpo_loss(policy, frozen_copy_reference(reference), components, cached_pairs(chosen, rejected),
+                        torch.Generator().manual_seed(7), recipe())
+    # by hand: the same draws (shared noise, then shared uniform sigmas), x_t, v = noise - x0, the four losses
+    draws = torch.Generator().manual_seed(7)
+    noise, s = torch.randn(chosen.shape, generator=draws), torch.rand(2, generator=draws).view(-1, 1, 1, 1)
+
+    def loss(w, x0):
+        return ((w * ((1 - s) * x0 + s * noise) - (noise - x0)) ** 2).flatten(1).mean(1)
+
+    inside = -0.5 * 50.0 * ((loss(0.3, chosen) - loss(-0.2, chosen)) - (loss(0.3, rejected) - loss(-0.2, rejected)))
+    expected = -torch.log(torch.sigmoid(inside)).mean()
+    assert torch.allclose(out["dpo"], expected, atol=1e-6, rtol=1e-5)
+    assert out["reward_accuracy"].item() == pytest.approx((inside > 0).float().mean().item())
+    assert out["reward_margin"].item() == pytest.approx(inside.mean().item(), rel=1e-5)
+    out["dpo"].backward()
+    assert policy.w.grad is not None and reference.w.grad is None
+
+
+def test_a_pair_of_one_image_twice_gives_log_2_and_no_gradient(start):
+    from eval.sampling import load_for_sampling
+
+    policy, components, _, _ = load_for_sampling(start, os.path.dirname(start), "cpu")
+    reference, _, _, _ = load_for_sampling(start, os.path.dirname(start), "cpu")
+    with torch.no_grad():
+        for p in policy.parameters():  # a policy that has moved away from the reference
+            p.add_(0.01 * torch.randn_like(p))
+    images = torch.stack([ShapesDataset(num_samples=2)[k]["image"] for k in range(2)])
+    args = recipe(dpo_beta=1000.0, prediction="x", sigma_scheme="logit_normal")
+
+    def gradient(chosen, rejected):  # -> the loss, the largest gradient entry
+        policy.zero_grad()
+        out = flow_dpo_loss(policy.train(), frozen_copy_reference(reference), components,
+                            {"caption": ["a red star", "two blue squares"], "chosen": chosen, "rejected": rejected},
+                            torch.Generator().manual_seed(0), args)
+        out["dpo"].backward()
+        return out, max(p.grad.abs().max().item() for p in policy.parameters() if p.grad is not None)
+
+    same, none = gradient(images, images.clone())
+    assert same["dpo"].item() == pytest.approx(math.log(2), abs=1e-6) and same["reward_accuracy"].item() == 0.5
+    _, some = gradient(images, images.flip(0))
+    assert none < 1e-5 * some  # zero but for float rounding: the two sides' gradients cancel
+
+
+def test_the_clause_score_grades_images_and_is_full_for_the_truth():
+    import random
+
+    rng = random.Random(0)
+    for task in TASKS:
+        for spec in prompt_set(task, "train", 6):
+            truth = ground_truth_image(spec, 32, rng)
+            held, total = clauses_held(spec, find_objects(truth))
+            assert held == total >= 4, (task, spec["caption"])
+            blank = np.full_like(truth, 96)  # the background alone: no clause holds
+            assert clauses_held(spec, find_objects(blank))[0] == 0
+
+
+def test_the_drawn_prompts_never_hold_a_held_out_pair_or_a_scored_prompt():
+    scored = {spec["caption"] for spec in all_prompts(24)}
+    held_out = [f"{color} {shape}" for color, shape in HELD_OUT_PAIRS]
+    for seed in range(20):
+        specs = training_prompts(60, seed, avoid=scored)
+        assert len(specs) == 60 and {s["task"] for s in specs} == set(TASKS)
+        for spec in specs:
+            assert not set(spec["objects"]) & HELD_OUT_PAIRS and spec["caption"] not in scored
+            assert not any(words in spec["caption"] for words in held_out)
+    assert training_prompts(12, 3) == training_prompts(12, 3) != training_prompts(12, 4)
+
+
+class Watch:
+    """Wraps the stage's loss: records per call the reference's answer to a probe, digests of the policy's weights
+    (adapters, the rest) and the captions trained on, and sends SIGTERM to
+    this process at the `stop_at`-th call (as a scheduler would in the middle of a step)."""
+
+    def __init__(self, stop_at=None):
+        self.stop_at, self.calls = stop_at, []
+
+    def __call__(self, policy, reference, components, batch, generator, args):
+        module = getattr(policy, "module", policy)
+        with reference() as reference_model, torch.no_grad():
+            answer = reference_model(*probe(reference_model.config))  # what the reference computes
+            self.calls.append({"reference": answer.numpy().tobytes(), "captions": list(batch["caption"]),
+                               "base": digest_of(module, adapters=False), "adapters": digest_of(module, adapters=True)})
+        if len(self.calls) == self.stop_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return flow_dpo_loss(policy, reference, components, batch, generator, args)
+
+
+def probe(config):
+    """A fixed input of the model: noisy latents, text tokens, pooled text, timesteps."""
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, config.in_channels, 16, 16, generator=g), torch.randn(1, 4, config.joint_attention_dim,
+            generator=g), torch.randn(1, config.pooled_projection_dim, generator=g), torch.tensor([500.0]))
+
+
+def digest_of(module, adapters):
+    """A digest of the module's adapter weights, or of all the others."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        if ("lora_" in name) == adapters:
+            h.update(name.encode() + tensor.detach().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_watched(run_dir, start_path, monkeypatch, *extra, stop_at=None):
+    """Run the stage here with its loss watched, the pairs scored by the stand-in verifier (brightness)."""
+    watch = Watch(stop_at)
+    monkeypatch.setattr(train_dpo, "flow_dpo_loss", watch)
+    monkeypatch.setattr(preference, "score_images", brightness_scores)
+    _, messages = run_in_process(train_dpo, argv(run_dir, start_path, *extra), monkeypatch)
+    return watch, messages
+
+
+def test_the_reference_never_changes_and_the_policy_does(tmp_path, start, monkeypatch):
+    watch, messages = run_watched(tmp_path, start, monkeypatch, "--max_steps", "4")
+    assert len(watch.calls) == 4 and len({c["reference"] for c in watch.calls}) == 1
+    assert len({c["base"] for c in watch.calls}) == 4  # all weights train
+    assert sum("pairs, round" in m for m in messages) == 2  # steps 1 and 3
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "dpo_tiny_metrics.jsonl")]
+    assert all({"dpo", "reward_accuracy", "reward_margin"} <= set(row) for row in rows)
+    assert "pair_score" in rows[0] and "pair_score" in rows[2] and "pair_score" not in rows[1]
+
+
+def test_with_lora_only_the_adapters_train_against_the_adapters_off(tmp_path, start, monkeypatch):
+    watch, _ = run_watched(tmp_path, start, monkeypatch, "--max_steps", "3", "--lora_rank", "4")
+    assert len({c["base"] for c in watch.calls}) == 1 and len({c["adapters"] for c in watch.calls}) == 3
+    assert len({c["reference"] for c in watch.calls}) == 1  # the base, adapters off, never changes
+    state, config, record = read_lora_file(str(tmp_path / "out" / "lora" / "lora_dpo_tiny.safetensors"))
+    assert config["rank"] == 4 and record["stage"] == "dpo" and all("lora" in k for k in state)
+
+
+def test_a_stopped_run_resumes_bitwise_on_the_same_pairs(tmp_path, start, monkeypatch):
+    extra = ["--max_steps", "5", "--save_interval", "3", "--accumulation_steps", "2"]
+    run_watched(tmp_path / "whole", start, monkeypatch, *extra)
+    # the signal comes in step 3's second micro-batch (round 1 drawn at step 3): the step completes and saves
+    run_watched(tmp_path / "cut", start, monkeypatch, *extra, stop_at=6)
+    assert read_manifest(str(tmp_path / "cut" / "ckpt" / "dpo_tiny_resume"), "resume")["step"] == 3
+    resumed, messages = run_watched(tmp_path / "cut", start, monkeypatch, *extra, "--from_resume", "1")
+    assert sum("pairs, round" in m for m in messages) == 1  # round 2 only: round 1 came back with the checkpoint
+
+    def state(run_dir):
+        stem, resume_stem = str(run_dir / "out" / "dpo_tiny"), str(run_dir / "ckpt" / "dpo_tiny_resume")
+        resume = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
+        resume["export"] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+        with open(run_dir / "out" / "dpo_tiny_metrics.jsonl") as f:
+            resume["rows"] = [{k: v for k, v in json.loads(line).items() if k != "images_per_s"} for line in f]
+        return resume
+
+    whole, cut = state(tmp_path / "whole"), state(tmp_path / "cut")
+    assert whole["step"] == 5 and whole["pairs"]["round"] == 2 and len(whole["rows"]) == 5
+    for key in ("model", "optimizer", "pairs", "rng", "export", "samples_seen", "rows"):
+        assert first_difference(whole[key], cut[key], key) is None, key
+    held_out = [f"{color} {shape}" for color, shape in HELD_OUT_PAIRS]
+    assert not any(words in caption for caption in whole["pairs"]["captions"] for words in held_out)
+
+
+def write_manifest(folder):
+    """Five good pairs and one line of each kind of bad one -> (the manifest's path, the good pairs' prompts)."""
+    data = ShapesDataset(num_samples=10)
+    lines = []
+    for i in range(5):
+        for side, k in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
+            data.sample(k)[0].save(folder / f"{side}{i}.png")
+        lines.append(json.dumps({"prompt": data.sample(2 * i)[1], "chosen": f"chosen{i}.png",
+                                 "rejected": f"rejected{i}.png"}))
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    lines += [json.dumps({"prompt": "a red star", "chosen": "gone.png", "rejected": "chosen0.png"}),
+              json.dumps({"prompt": "a red star", "chosen": "chosen0.png", "rejected": "broken.png"}),
+              json.dumps({"prompt": "  ", "chosen": "chosen0.png", "rejected": "rejected0.png"}),
+              '{"prompt": "a red star", "chosen": ', json.dumps(["not", "an", "object"])]
+    path = folder / "pairs.jsonl"
+    path.write_text("\n".join(lines[:2] + lines[5:] + lines[2:5]) + "\n")
+    return str(path), {data.sample(2 * i)[1] for i in range(5)}
+
+
+def test_a_manifest_trains_on_its_good_lines_and_reports_the_rest_in_one_line(tmp_path, start, monkeypatch):
+    pairs, good = write_manifest(tmp_path)
+    watch, messages = run_watched(tmp_path, start, monkeypatch, "--pairs", pairs, "--max_steps", "3")
+    summary = [m for m in messages if m.startswith(f"pairs {pairs}")]
+    assert summary == [f"pairs {pairs}: 5 pairs, 5 skipped: 2 malformed (line 6, 7); 1 empty prompt (line 5); "
+                       "1 missing image (line 3); 1 unreadable image (line 4)"]
+    assert {c for call in watch.calls for c in call["captions"]} <= good and len(watch.calls) == 3
+    assert (tmp_path / "out" / "dpo_tiny.json").is_file()
+
+
+def test_no_pairs_is_a_one_line_error(tmp_path, start):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "a red star", "chosen": "gone.png", "rejected": "gone2.png"}) + "\n")
+    result = run(["trainer/train_dpo.py", *argv(tmp_path, start, "--pairs", str(path))], check=False)
+    assert result.returncode != 0 and "no usable pairs" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_no_builtin_pairs_is_a_one_line_error(tmp_path, start):
+    # the start draws no shapes yet: the shape scorer finds all of a prompt's images alike
+    result = run(["trainer/train_dpo.py", *argv(tmp_path, start, "--max_steps", "2")], check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "no preference pairs: all 3 images of each of the 6 prompts scored alike" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_two_processes_draw_the_same_pairs_and_train(tmp_path, start):
+    run(["tests/dpo_stand_in.py", *argv(tmp_path, start, "--max_steps", "3", "--save_dtype", "fp32")], torchrun=2)
+    resume_stem = str(tmp_path / "ckpt" / "dpo_tiny_resume")
+    state = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
+    assert state["world_size"] == 2 and state["step"] == 3 and state["pairs"]["round"] == 1
+    stem = str(tmp_path / "out" / "dpo_tiny")
+    assert load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+
+
+@pytest.mark.slow
+def test_manifest_pairs_train_sd3_components_from_the_cache(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("dpo_sd3")
+    sd3 = build_folder(str(tmp_path / "tiny-sd3"))
+    pairs, _ = write_manifest(tmp_path)
+    result = run(["trainer/train_dpo.py", "--base", sd3, "--from_weight", "base", "--preset", "sd3-tiny", "--pairs",
+                  pairs, "--batch_size", "2", "--max_steps", "2", "--sample_steps", "1", *dirs(tmp_path)])
+    assert "5 pairs, 5 skipped" in result.stdout
+    assert any(name.startswith("pairs.jsonl-") for name in os.listdir(tmp_path / "cache"))
+    record = json.loads((tmp_path / "out" / "dpo_sd3-tiny.json").read_text())
+    assert record["prediction"] == "v" and record["stage"] == "dpo"
+    assert (tmp_path / "out" / "dpo_sd3-tiny" / "transformer").is_dir()

@@ -1,0 +1,160 @@
+"""Preference tuning (trainer/train_dpo.py): the Flow-DPO loss, the frozen reference it compares with, and the
+pairs the policy draws for itself from the built-in world (REFERENCE section 5; Wallace et al. 2023, Diffusion-DPO,
+on rectified flow as flow_grpo's train_sd3_dpo.py).
+
+    l = |v_target - v(x_t)|^2 per sample (the flow loss), the same for the frozen reference under no_grad;
+    inside = -beta / 2 * ((l_chosen - l_ref_chosen) - (l_rejected - l_ref_rejected)),  loss = -logsigmoid(inside)
+
+The chosen and the rejected image of a pair are noised with the same noise at the same sigma, so what differs
+between their losses is the image alone. The implicit reward accuracy is the fraction of pairs with inside > 0
+(ties count half), its margin the mean of inside.
+"""
+import contextlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dataset.preference_pairs import encode_pairs, side
+from eval.eval_geneval import clauses_held, is_correct, training_prompts
+from eval.sampling import sample_images, to_uint8
+from eval.shape_scorer import find_objects
+from model.errors import UserError
+from model.model_lora import set_lora_scale
+from model.rectified_flow import add_noise, predict_velocity, sample_sigmas
+from trainer.arguments import autocast_dtype
+
+
+def frozen_copy_reference(reference):
+    """The reference as a separate frozen model (a full fine-tune: the starting weights, copied)."""
+    return lambda: contextlib.nullcontext(reference)
+
+
+def adapters_off_reference(model):
+    """The reference as the policy's own frozen base with its adapters switched off (a LoRA: no second copy)."""
+    @contextlib.contextmanager
+    def reference():
+        set_lora_scale(model, 0.0)
+        try:
+            yield model
+        finally:
+            set_lora_scale(model, 1.0)
+    return reference
+
+
+def pair_batch_features(components, batch, device):
+    """A micro-batch of pairs -> their features: read from the cache, or encoded now."""
+    if "chosen_latents" in batch:
+        return {k: v.to(device) for k, v in batch.items()}
+    return encode_pairs(components, batch["chosen"].to(device), batch["rejected"].to(device), batch["caption"])
+
+
+def dpo_inside(errors, reference_errors, beta):
+    """Per-sample flow losses [2n] (chosen first, then rejected) of the policy and of the reference -> inside [n]."""
+    chosen, rejected = errors.chunk(2)
+    ref_chosen, ref_rejected = reference_errors.chunk(2)
+    return -0.5 * beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+
+
+def flow_dpo_loss(policy, reference, components, batch, generator, args):
+    """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
+    (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
+    reference model. `generator` draws each side's latent sample, the shared noise and the shared sigmas, in that
+    order. The recipe comes from `args`: dpo_beta, sigma_scheme, logit_mean, logit_std, train_shift, prediction,
+    dtype."""
+    device = next(policy.parameters()).device
+    with torch.no_grad():
+        features = pair_batch_features(components, batch, device)
+        tokens, pooled = components.condition(features)
+        chosen = components.latents(side(features, "chosen"), generator)
+        rejected = components.latents(side(features, "rejected"), generator)
+    noise = torch.randn(chosen.shape, generator=generator).to(device)
+    s = sample_sigmas(len(chosen), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
+                      generator=generator).to(device)
+    x0, noise, s = torch.cat([chosen, rejected]), torch.cat([noise, noise]), torch.cat([s, s])
+    tokens, pooled, x_t = torch.cat([tokens, tokens]), torch.cat([pooled, pooled]), add_noise(x0, noise, s)
+    target = (noise - x0).float()
+    dtype = autocast_dtype(args.dtype, device)
+
+    def errors(model):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            v = predict_velocity(model, x_t, tokens, pooled, s, args.prediction)
+        return (v.float() - target).pow(2).flatten(1).mean(1)
+
+    with torch.no_grad(), reference() as reference_model:
+        reference_errors = errors(reference_model)
+    inside = dpo_inside(errors(policy), reference_errors, args.dpo_beta)
+    accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()
+    return {"dpo": -F.logsigmoid(inside).mean(), "reward_accuracy": accuracy.detach(),
+            "reward_margin": inside.mean().detach()}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The pairs the policy draws for itself
+
+
+def score_images(spec, images):
+    """uint8 images [k, H, W, 3] of one prompt -> (fraction of its clauses each satisfies [k], each right [k])."""
+    scores, right = [], []
+    for image in images:
+        found = find_objects(image)
+        held, total = clauses_held(spec, found)
+        scores.append(held / total)
+        right.append(is_correct(spec, found))
+    return np.array(scores), np.array(right)
+
+
+@torch.no_grad()
+def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
+               batch_size=256):
+    """Sample `images_per_prompt` images of each spec's caption (spec k's noise seeded from seeds[k] on) and score
+    them -> [(caption, chosen uint8, rejected uint8, chosen score, rejected score) or None, ...] per spec (None:
+    all its images scored alike), and [(mean score, fraction right) per spec]."""
+    captions = [spec["caption"] for spec in specs for _ in range(images_per_prompt)]
+    noise_seeds = [seed + j for seed in seeds for j in range(images_per_prompt)]
+    images = np.concatenate([to_uint8(sample_images(
+        model, components, captions[i:i + batch_size], seed=noise_seeds[i:i + batch_size], **sampling,
+        resolution=resolution, device=device, prediction=prediction)) for i in range(0, len(captions), batch_size)])
+    pairs, stats = [], []
+    for k, spec in enumerate(specs):
+        own = images[k * images_per_prompt:(k + 1) * images_per_prompt]
+        scores, right = score_images(spec, own)
+        best, worst = int(scores.argmax()), int(scores.argmin())
+        pairs.append((spec["caption"], own[best], own[worst], scores[best], scores[worst])
+                     if scores[best] > scores[worst] else None)
+        stats.append((float(scores.mean()), float(right.mean())))
+    return pairs, stats
+
+
+def refresh_pool(pool, round_, model, components, info, args, log, avoid):
+    """Fill `pool` with round `round_`'s pairs: --pair_prompts fresh training-grammar prompts (none in `avoid`),
+    each sampled --pair_images times by the current `model` and scored, dealt round-robin to the processes and
+    gathered, so every process holds the same pool. -> {"pair_score", "pair_right", "pairs"} for the metrics."""
+    specs = training_prompts(args.pair_prompts, seed=args.seed * 100003 + round_, avoid=avoid)
+    mine = list(range(info.rank, len(specs), info.world_size))
+    mine += mine[-1:] * (len(range(0, len(specs), info.world_size)) - len(mine))  # equal forwards on every rank
+    sampling = {"steps": args.pair_sample_steps, "cfg": args.pair_sample_cfg, "shift": args.pair_sample_shift}
+    seed = (args.seed * 100003 + round_) * 1000
+    pairs, stats = draw_round(model, components, [specs[k] for k in mine], args.pair_images, sampling,
+                              [seed + k * args.pair_images for k in mine], args.resolution, args.prediction,
+                              info.device)
+    drawn = dict(zip(mine, zip(pairs, stats)))
+    if info.world_size > 1:
+        gathered = [None] * info.world_size
+        dist.all_gather_object(gathered, drawn)
+        drawn = {k: v for part in gathered for k, v in part.items()}
+    pairs, stats = [drawn[k][0] for k in range(len(specs))], [drawn[k][1] for k in range(len(specs))]
+    kept = [p for p in pairs if p is not None]
+    score, right = np.mean([s for s, _ in stats]), np.mean([r for _, r in stats])
+    log(f"pairs, round {round_}: {len(kept)} of {len(specs)} prompts gave a pair; the policy's images hold "
+        f"{score:.3f} of their prompts' clauses, {right:.3f} are right")
+    if kept:
+        captions, chosen, rejected, chosen_scores, rejected_scores = zip(*kept)
+        pool.fill(round_, captions, np.stack(chosen), np.stack(rejected), list(zip(chosen_scores, rejected_scores)))
+    elif pool.captions:  # every prompt's images scored alike: train on the last round's pairs a while longer
+        pool.round = round_
+    else:
+        raise UserError(f"no preference pairs: all {args.pair_images} images of each of the {len(specs)} prompts "
+                        "scored alike; raise --pair_images or --pair_prompts, or sample with more noise")
+    return {"pair_score": float(score), "pair_right": float(right), "pairs": len(kept)}
