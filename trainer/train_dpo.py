@@ -9,17 +9,17 @@ person chose, so that it draws what the sentence says and not only its words.
 
 The recipe (trainer/preference.py): the Flow-DPO loss with beta 1000 on pairs whose chosen and rejected images
 share the noise and the sigma, against a frozen reference (the starting weights; with --lora_rank, the same model
-with its adapters off). With --pairs builtin (the default) the run draws its own pairs: every 20 steps, 64 fresh
+with its adapters off). With --pairs builtin (the default) the run draws its own pairs: every 25 steps, 64 fresh
 prompts of the training grammar (never a held-out pair, never a prompt the GenEval-style eval scores), each
-sampled 4 times by the current model as its grids sample, each image scored by the shape scorer (the fraction of
-its prompt's clauses that hold), and of each prompt the best and the worst image kept when they differ (online
-DPO). Or --pairs a .jsonl with one line {"prompt", "chosen", "rejected"} (image paths) per pair. AdamW at 2e-5 on
-all weights, 10 warmup steps, constant after; batches of 16 pairs; 200 steps, saved every 100 and at the end.
-Writes out/dpo_<preset>.json (with --lora_rank: out/lora/lora_<lora_name>_<preset>.safetensors), the metrics
-(the DPO loss, the implicit reward accuracy and margin, and each round's pair scores) in
-out/dpo_<preset>_metrics.jsonl, sample grids in out/samples/ (step 0: the starting weights) and the resume
-checkpoint (the policy, its optimizer, the current pairs) in checkpoints/. Score it with
-`python eval/eval_geneval.py --weights dpo_tiny`.
+sampled 4 times by the current model (10 Euler steps with its grids' guidance), each image scored by the shape
+scorer (the fraction of its prompt's clauses that hold), and of each prompt the best and the worst image kept
+when they differ (online DPO). Or --pairs a .jsonl with one line {"prompt", "chosen", "rejected"} (image paths)
+per pair. AdamW at 1e-4 on all weights, 10 warmup steps, constant after; batches of 16 pairs; 200 steps, saved
+every 100 and at the end. Writes out/dpo_<preset>.json (with --lora_rank:
+out/lora/lora_<lora_name>_<preset>.safetensors), the metrics (the DPO loss, the implicit reward accuracy and
+margin, and each round's pair scores) in out/dpo_<preset>_metrics.jsonl, sample grids in out/samples/ (step 0:
+the starting weights) and the resume checkpoint (the policy, its optimizer, the current pairs) in checkpoints/.
+Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 """
 import contextlib
 import copy
@@ -76,15 +76,15 @@ def parse_args(argv=None):
     recipe.add_argument("--pair_prompts", type=positive_int, default=64, help="builtin pairs: prompts drawn a round "
                         "(the pool holds one pair a prompt)")
     recipe.add_argument("--pair_images", type=positive_int, default=4, help="builtin pairs: images a prompt")
-    recipe.add_argument("--pair_refresh", type=positive_int, default=20, help="builtin pairs: steps between rounds")
-    recipe.add_argument("--pair_sample_steps", type=positive_int, default=None, help="builtin pairs: Euler steps; "
-                        "default: the starting weights' sampling")
+    recipe.add_argument("--pair_refresh", type=positive_int, default=25, help="builtin pairs: steps between rounds")
+    recipe.add_argument("--pair_sample_steps", type=positive_int, default=10, help="builtin pairs: Euler steps (half "
+                        "the grids': drawing pairs is most of the run's time)")
     recipe.add_argument("--pair_sample_cfg", type=non_negative_float, default=None, help="default: the starting "
                         "weights' sampling")
     recipe.add_argument("--pair_sample_shift", type=positive_float, default=None)
     recipe.add_argument("--batch_size", type=positive_int, default=16, help="pairs per process")
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
-    recipe.add_argument("--learning_rate", type=positive_float, default=2e-5)
+    recipe.add_argument("--learning_rate", type=positive_float, default=1e-4)
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=10)
     recipe.add_argument("--min_lr_ratio", type=probability, default=1.0, help="after warmup the rate decays along a "
                         "cosine to this fraction of it (1 = constant)")
@@ -116,7 +116,6 @@ def preference_data(args, components, start, log):
         raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
                         "components: with --base, pass a .jsonl of pairs")
     sampling = start["sampling"]
-    args.pair_sample_steps = args.pair_sample_steps or sampling["steps"]
     args.pair_sample_cfg = sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg
     args.pair_sample_shift = args.pair_sample_shift or sampling["shift"]
     args.num_workers = 0  # the pool changes in place each round: no worker may keep a stale copy
