@@ -9,13 +9,13 @@ person chose, so that it draws what the sentence says and not only its words.
 
 The recipe (trainer/preference.py): the Flow-DPO loss with beta 1000 on pairs whose chosen and rejected images
 share the noise and the sigma, against a frozen reference (the starting weights; with --lora_rank, the same model
-with its adapters off). With --pairs builtin (the default) the run draws its own pairs: every 25 steps, 64 fresh
-prompts of the training grammar (never a held-out pair, never a prompt the GenEval-style eval scores), each
-sampled 4 times by the current model (10 Euler steps with its grids' guidance), each image scored by the shape
-scorer (the fraction of its prompt's clauses that hold), and of each prompt the best and the worst image kept
-when they differ (online DPO). Or --pairs a .jsonl with one line {"prompt", "chosen", "rejected"} (image paths)
-per pair. AdamW at 1e-4 on all weights, 10 warmup steps, constant after; batches of 16 pairs; 200 steps, saved
-every 100 and at the end. Writes out/dpo_<preset>.json (with --lora_rank:
+with its adapters off), at sigmas shifted by 3 as the sampler's. With --pairs builtin (the default) the run draws
+its own pairs: every 25 steps, 128 fresh prompts of the training grammar (never a held-out pair, never a prompt
+the GenEval-style eval scores), each sampled 4 times by the current model (4 Euler steps with its grids'
+guidance), each image scored by the shape scorer (the fraction of its prompt's clauses that hold), and of each
+prompt the best and the worst image kept when they differ (online DPO). Or --pairs a .jsonl with one line
+{"prompt", "chosen", "rejected"} (image paths) per pair. AdamW at 1e-5 on all weights, 10 warmup steps, constant
+after; batches of 16 pairs; 200 steps, saved every 100 and at the end. Writes out/dpo_<preset>.json (with --lora_rank:
 out/lora/lora_<lora_name>_<preset>.safetensors), the metrics (the DPO loss, the implicit reward accuracy and
 margin, and each round's pair scores) in out/dpo_<preset>_metrics.jsonl, sample grids in out/samples/ (step 0:
 the starting weights) and the resume checkpoint (the policy, its optimizer, the current pairs) in checkpoints/.
@@ -73,18 +73,18 @@ def parse_args(argv=None):
     recipe.add_argument("--lora_alpha", type=positive_float, default=None, help="default: rank (scale 1)")
     recipe.add_argument("--lora_targets", default="attention", help=f"comma-separated groups "
                         f"({', '.join(TARGET_GROUPS)}) or module name suffixes")
-    recipe.add_argument("--pair_prompts", type=positive_int, default=64, help="builtin pairs: prompts drawn a round "
+    recipe.add_argument("--pair_prompts", type=positive_int, default=128, help="builtin pairs: prompts drawn a round "
                         "(the pool holds one pair a prompt)")
     recipe.add_argument("--pair_images", type=positive_int, default=4, help="builtin pairs: images a prompt")
     recipe.add_argument("--pair_refresh", type=positive_int, default=25, help="builtin pairs: steps between rounds")
-    recipe.add_argument("--pair_sample_steps", type=positive_int, default=10, help="builtin pairs: Euler steps (half "
-                        "the grids': drawing pairs is most of the run's time)")
+    recipe.add_argument("--pair_sample_steps", type=positive_int, default=4, help="builtin pairs: Euler steps (a "
+                        "fifth of the grids', scoring alike: drawing pairs is most of the run's time)")
     recipe.add_argument("--pair_sample_cfg", type=non_negative_float, default=None, help="default: the starting "
                         "weights' sampling")
     recipe.add_argument("--pair_sample_shift", type=positive_float, default=None)
     recipe.add_argument("--batch_size", type=positive_int, default=16, help="pairs per process")
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
-    recipe.add_argument("--learning_rate", type=positive_float, default=1e-4)
+    recipe.add_argument("--learning_rate", type=positive_float, default=1e-5)
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=10)
     recipe.add_argument("--min_lr_ratio", type=probability, default=1.0, help="after warmup the rate decays along a "
                         "cosine to this fraction of it (1 = constant)")
@@ -94,7 +94,8 @@ def parse_args(argv=None):
     recipe.add_argument("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
     recipe.add_argument("--logit_mean", type=finite_float, default=0.0)
     recipe.add_argument("--logit_std", type=positive_float, default=1.0)
-    recipe.add_argument("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
+    recipe.add_argument("--train_shift", type=positive_float, default=3.0, help="shift applied to training sigmas "
+                        "(3, as the sampler's: the noisy end, where a layout is decided)")
     recipe.add_argument("--seed", type=non_negative_int, default=0)
     length.add_argument("--epochs", type=positive_int, default=1)
     length.add_argument("--max_steps", type=non_negative_int, default=200, help="optimizer steps; 0 = run --epochs")
