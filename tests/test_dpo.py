@@ -1,7 +1,7 @@
 """The preference stage (Flow-DPO): the loss is the formula, a pair of one image twice teaches nothing, the
 reference never changes, LoRA trains only its adapters, the pairs it draws never hold a held-out prompt, a
-manifest's bad lines are counted and passed over, the run resumes bitwise and runs on two processes and on SD3
-components."""
+manifest's bad lines are counted and passed over, the run resumes bitwise, shards like DDP on two processes, and
+runs on SD3 components."""
 import hashlib
 import json
 import math
@@ -268,13 +268,18 @@ def test_no_builtin_pairs_is_a_one_line_error(tmp_path, start):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_two_processes_draw_the_same_pairs_and_train(tmp_path, start):
-    run(["tests/dpo_stand_in.py", *argv(tmp_path, start, "--max_steps", "3", "--save_dtype", "fp32")], torchrun=2)
-    resume_stem = str(tmp_path / "ckpt" / "dpo_tiny_resume")
-    state = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
-    assert state["world_size"] == 2 and state["step"] == 3 and state["pairs"]["round"] == 1
-    stem = str(tmp_path / "out" / "dpo_tiny")
-    assert load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+def test_two_processes_draw_the_same_pairs_and_shard_like_ddp(tmp_path, start):
+    exports = {}
+    for mode in ("ddp", "fsdp"):
+        run(["tests/dpo_stand_in.py", *argv(tmp_path / mode, start, "--max_steps", "3", "--save_dtype", "fp32",
+                                            "--fsdp", str(int(mode == "fsdp")))], torchrun=2)
+        resume_stem = str(tmp_path / mode / "ckpt" / "dpo_tiny_resume")
+        state = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
+        assert state["world_size"] == 2 and state["step"] == 3 and state["pairs"]["round"] == 1
+        stem = str(tmp_path / mode / "out" / "dpo_tiny")
+        exports[mode] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
+    for key, value in exports["ddp"].items():
+        assert torch.allclose(value, exports["fsdp"][key], atol=1e-5), key
 
 
 @pytest.mark.slow
