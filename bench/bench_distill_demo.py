@@ -18,9 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import ShapesDataset  # noqa: E402
-from bench.demo_scores import IMAGES_PER_PROMPT, measure, per_seed, task_table  # noqa: E402
-from eval.eval_geneval import all_prompts  # noqa: E402
-from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
+from bench.demo_scores import IMAGES_PER_PROMPT, grid_row, measure_row, per_seed, task_table  # noqa: E402
+from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
+from eval.sampling import load_for_sampling, sampling_settings, save_grid  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
@@ -45,7 +45,7 @@ def main():
     parser.add_argument("--student", default="distill_tiny")
     parser.add_argument("--student_steps", type=int, nargs="+", default=[4, 2, 1])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="noise seeds of the scores")
-    parser.add_argument("--prompts_per_task", type=int, default=24)
+    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK)
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--grid", default=os.path.join(REPO_ROOT, "docs", "distill_demo.png"))
@@ -64,15 +64,9 @@ def main():
     for label, which, sampling in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
         model, components, record = loaded[which]
         row = {"label": label, "sampling": sampling,
-               "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1), "seeds": {}}
-        for seed in args.seeds:
-            result = row["seeds"][seed] = measure(model, components, record, specs, sampling, seed, args.batch_size)
-            print(f"{label:<16} seed {seed}: held-out {result['heldout']:.3f}, train {result['train']:.3f}, "
-                  f"{row['evaluations']} evaluations, {result['s_per_image'] * 1000:.1f} ms/image", flush=True)
-        report["rows"].append(row)
-        grid_images.append(sample_images(model, components, demo_prompts, seed=0, **sampling,
-                                         resolution=record["resolution"], device=device,
-                                         prediction=record["prediction"]))
+               "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1)}
+        report["rows"].append(measure_row(row, model, components, record, specs, args.seeds, args.batch_size))
+        grid_images.append(grid_row(model, components, record, demo_prompts, sampling, device))
         grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
 
     print(f"\n| sampler | evaluations / image | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train | "

@@ -18,10 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.demo_scores import IMAGES_PER_PROMPT, measure, per_seed, task_table  # noqa: E402
+from bench.demo_scores import IMAGES_PER_PROMPT, grid_row, measure_row, per_seed, task_table  # noqa: E402
 from dataset.shapes import ShapesDataset  # noqa: E402
-from eval.eval_geneval import all_prompts  # noqa: E402
-from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
+from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
+from eval.sampling import load_for_sampling, sampling_settings, save_grid  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
@@ -53,7 +53,7 @@ def main():
     parser.add_argument("--after", default="dpo_tiny")
     parser.add_argument("--metrics", default=None, help="the tuning run's metrics; default: out/<after>_metrics.jsonl")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="noise seeds of the scores")
-    parser.add_argument("--prompts_per_task", type=int, default=24)
+    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK)
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--grid", default=os.path.join(REPO_ROOT, "docs", "dpo_demo.png"))
@@ -70,15 +70,9 @@ def main():
     for label, weights in (("before", args.before), ("after", args.after)):
         model, components, record, _ = load_for_sampling(weights, args.out_dir, device)
         sampling = sampling_settings(record)
-        row = {"label": label, "weights": record["manifest"], "step": record["step"], "sampling": sampling,
-               "seeds": {}}
-        for seed in args.seeds:
-            result = row["seeds"][seed] = measure(model, components, record, specs, sampling, seed, args.batch_size)
-            print(f"{label:<7} seed {seed}: held-out {result['heldout']:.3f}, train {result['train']:.3f}", flush=True)
-        report["rows"].append(row)
-        grid_images.append(sample_images(model, components, demo_prompts, seed=0, **sampling,
-                                         resolution=record["resolution"], device=device,
-                                         prediction=record["prediction"]))
+        row = {"label": label, "weights": record["manifest"], "step": record["step"], "sampling": sampling}
+        report["rows"].append(measure_row(row, model, components, record, specs, args.seeds, args.batch_size))
+        grid_images.append(grid_row(model, components, record, demo_prompts, sampling, device))
         grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
 
     print(f"\n| weights | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train |\n|---|---|---|")

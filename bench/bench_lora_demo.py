@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import NEW_COLORS, SHAPES, ShapesDataset  # noqa: E402
-from eval.eval_geneval import TASKS, all_prompts, generate, prompt_set, score  # noqa: E402
+from eval.eval_geneval import PROMPTS_PER_TASK, TASKS, all_prompts, generate, prompt_set, score  # noqa: E402
 from eval.shape_scorer import COLOR_NAMES  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.model_lora import lora_parameters, set_lora_scale  # noqa: E402
@@ -31,7 +31,7 @@ def main():
     parser.add_argument("--lora", default="demo", help="a LoRA name in out/lora, or a path")
     parser.add_argument("--weights", default=None, help="default: the LoRA's base weights")
     parser.add_argument("--color", default="white", choices=list(NEW_COLORS), help="the colour the LoRA taught")
-    parser.add_argument("--prompts_per_task", type=int, default=24)
+    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK)
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--grid", default=os.path.join(REPO_ROOT, "docs", "lora_demo_before_after.png"))

@@ -126,14 +126,13 @@ class PairPool(torch.utils.data.Dataset):
 
     def __init__(self, slots, resolution):
         self.slots, self.resolution = slots, resolution
-        self.round, self.captions, self.scores = -1, [], torch.zeros(0, 2)
+        self.round, self.captions = -1, []
         self.chosen = self.rejected = torch.zeros(0, resolution, resolution, 3, dtype=torch.uint8)
 
-    def fill(self, round_, captions, chosen, rejected, scores):
-        """A round's pairs: captions, uint8 images [n, H, W, 3] of each side, scores [n, 2] (chosen, rejected)."""
+    def fill(self, round_, captions, chosen, rejected):
+        """A round's pairs: captions and uint8 images [n, H, W, 3] of each side."""
         self.round, self.captions = round_, list(captions)
         self.chosen, self.rejected = torch.as_tensor(np.asarray(chosen)), torch.as_tensor(np.asarray(rejected))
-        self.scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1, 2)
 
     def sample_prompts(self):
         return list(SAMPLE_PROMPTS)  # the built-in data's own
@@ -153,7 +152,7 @@ class PairPool(torch.utils.data.Dataset):
 
     def state_dict(self):
         return {"round": self.round, "captions": list(self.captions), "chosen": self.chosen,
-                "rejected": self.rejected, "scores": self.scores}
+                "rejected": self.rejected}
 
     def load_state_dict(self, state):
-        self.fill(state["round"], state["captions"], state["chosen"], state["rejected"], state["scores"])
+        self.fill(state["round"], state["captions"], state["chosen"], state["rejected"])

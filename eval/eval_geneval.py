@@ -44,6 +44,7 @@ PROMPT_KIND = {"single_object": "single", "colors": "single", "counting": "count
                "position": "relation", "color_attr": "relation"}
 TRAIN_PAIRS = [(c, s) for c in COLORS for s in SHAPES if (c, s) not in HELD_OUT_PAIRS]
 HELD_PAIRS = sorted(HELD_OUT_PAIRS)
+PROMPTS_PER_TASK = 24  # the scored prompt sets: per task and split
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -233,7 +234,7 @@ def main():
     parser.add_argument("--lora", default=None, help="score with this LoRA applied: a name in out/lora, or a path")
     parser.add_argument("--lora_scale", type=float, default=1.0)
     parser.add_argument("--ground_truth", action="store_true", help="score freshly drawn dataset images instead")
-    parser.add_argument("--prompts_per_task", type=int, default=24, help="per task and split (train, held-out)")
+    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK, help="per task and split (train, held-out)")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resolution", type=int, default=32, help="for --ground_truth")

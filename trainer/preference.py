@@ -109,8 +109,8 @@ def score_images(spec, images):
 def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
                batch_size=256):
     """Sample `images_per_prompt` images of each spec's caption (spec k's noise seeded from seeds[k] on) and score
-    them -> [(caption, chosen uint8, rejected uint8, chosen score, rejected score) or None, ...] per spec (None:
-    all its images scored alike), and [(mean score, fraction right) per spec]."""
+    them -> [(caption, chosen uint8, rejected uint8) or None, ...] per spec (None: all its images scored alike),
+    and [(mean score, fraction right) per spec]."""
     captions = [spec["caption"] for spec in specs for _ in range(images_per_prompt)]
     noise_seeds = [seed + j for seed in seeds for j in range(images_per_prompt)]
     images = np.concatenate([to_uint8(sample_images(
@@ -121,8 +121,7 @@ def draw_round(model, components, specs, images_per_prompt, sampling, seeds, res
         own = images[k * images_per_prompt:(k + 1) * images_per_prompt]
         scores, right = score_images(spec, own)
         best, worst = int(scores.argmax()), int(scores.argmin())
-        pairs.append((spec["caption"], own[best], own[worst], scores[best], scores[worst])
-                     if scores[best] > scores[worst] else None)
+        pairs.append((spec["caption"], own[best], own[worst]) if scores[best] > scores[worst] else None)
         stats.append((float(scores.mean()), float(right.mean())))
     return pairs, stats
 
@@ -132,8 +131,9 @@ def refresh_pool(pool, round_, model, components, info, args, log, avoid):
     each sampled --pair_images times by the current `model` and scored, dealt round-robin to the processes and
     gathered, so every process holds the same pool. -> {"pair_score", "pair_right", "pairs"} for the metrics."""
     specs = training_prompts(args.pair_prompts, seed=args.seed * 100003 + round_, avoid=avoid)
+    per_rank = -(-len(specs) // info.world_size)  # every rank samples as many (its last repeated): equal forwards
     mine = list(range(info.rank, len(specs), info.world_size))
-    mine += mine[-1:] * (len(range(0, len(specs), info.world_size)) - len(mine))  # equal forwards on every rank
+    mine += mine[-1:] * (per_rank - len(mine))
     sampling = {"steps": args.pair_sample_steps, "cfg": args.pair_sample_cfg, "shift": args.pair_sample_shift}
     seed = (args.seed * 100003 + round_) * 1000
     pairs, stats = draw_round(model, components, [specs[k] for k in mine], args.pair_images, sampling,
@@ -150,8 +150,8 @@ def refresh_pool(pool, round_, model, components, info, args, log, avoid):
     log(f"pairs, round {round_}: {len(kept)} of {len(specs)} prompts gave a pair; the policy's images hold "
         f"{score:.3f} of their prompts' clauses, {right:.3f} are right")
     if kept:
-        captions, chosen, rejected, chosen_scores, rejected_scores = zip(*kept)
-        pool.fill(round_, captions, np.stack(chosen), np.stack(rejected), list(zip(chosen_scores, rejected_scores)))
+        captions, chosen, rejected = zip(*kept)
+        pool.fill(round_, captions, np.stack(chosen), np.stack(rejected))
     elif pool.captions:  # every prompt's images scored alike: train on the last round's pairs a while longer
         pool.round = round_
     else:

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
 from dataset.training_data import check_image_sizes, features_to_train_on  # noqa: E402
-from eval.eval_geneval import all_prompts  # noqa: E402
+from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAWeights, apply_lora, save_lora  # noqa: E402
@@ -188,7 +188,7 @@ def main(argv=None):
     run.start(dataset, components, prompts, output, exported=ema or trained, first_grid=sample_model,
               identity={"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start_identity}, model=trained,
               optimizer=NamedOptimizerState(model, optimizer), ema=ema, pairs=pool)
-    avoid = [spec["caption"] for spec in all_prompts(24)]  # the scored prompts never become pairs
+    avoid = [spec["caption"] for spec in all_prompts(PROMPTS_PER_TASK)]  # the scored prompts never become pairs
     # Each step: (builtin pairs: a new round of pairs every --pair_refresh steps) -> this rank's micro-batches of
     # pairs -> the DPO loss -> backward, accumulated -> NaN guard, clipping, AdamW step, EMA -> metrics; saves
     # and grids on their cadence
