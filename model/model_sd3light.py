@@ -446,6 +446,11 @@ class SD3Light(nn.Module):
         nn.init.zeros_(self.proj_out.weight)
         nn.init.zeros_(self.proj_out.bias)
 
+    def block_matrices(self):
+        """The transformer blocks' 2-D weights (attention and MLP projections, modulation): the hidden matrices
+        Muon orthogonalises; embeddings, the output layer, norms and biases are not among them."""
+        return [p for n, p in self.named_parameters() if n.startswith("transformer_blocks.") and p.ndim == 2]
+
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         """hidden_states [B, C, H, W] latents; encoder_hidden_states [B, L, joint_attention_dim];
         pooled_projections [B, pooled_projection_dim]; timestep [B] (sigma * 1000). Returns [B, out_channels, H, W]."""

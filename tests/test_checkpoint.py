@@ -261,9 +261,9 @@ class SignalAtFetch(torch.utils.data.Dataset):
         return self.data[i]
 
 
-def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0"):
+def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0", recipe=()):
     argv = ["--num_samples", str(len(dataset)), "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "9",
-            "--save_interval", "3", "--ema_decay", "0.9", *QUIET, "--from_resume", from_resume,
+            "--save_interval", "3", "--ema_decay", "0.9", *QUIET, *recipe, "--from_resume", from_resume,
             "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")]
     with monkeypatch.context() as patch:
         return run_in_process(train_pretrain, argv, patch, build_dataset=lambda *args, **kwargs: dataset)
@@ -281,16 +281,18 @@ def final_state(tmp_path):
     return state
 
 
-def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path, monkeypatch):
-    data = ShapesDataset("train", 24, 32)  # 6 steps of 4 an epoch: the run crosses an epoch boundary
-    step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: two optimizers, both states in the checkpoint
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path, monkeypatch, optimizer):
+    data, recipe = ShapesDataset("train", 24, 32), ["--optimizer", optimizer]  # 6 steps of 4 an epoch: the run
+    step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch, recipe=recipe)  # crosses one
     assert step == 9
     # the signal comes while step 5's first micro-batch is fetched (4 samples a step): the step completes first
-    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1), monkeypatch)
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1), monkeypatch, recipe=recipe)
     assert step == 5 and "stopped by SIGTERM at step 5, checkpoint saved" in messages[-1]
     assert read_manifest(str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == 5
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after the run returns
-    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1")
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1",
+                                      recipe=recipe)
     assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
     whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
     for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):

@@ -12,7 +12,10 @@ from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
 import trainer.train_pretrain as train_pretrain
 from dataset.samplers import BucketSampler, EpochSampler
+from model import precision
 from model.errors import UserError
+from model.weights import load_weights
+from trainer.arguments import autocast_dtype
 from trainer.flow_matching import flow_matching_loss
 from trainer.trainer_utils import EMA, lr_at
 
@@ -307,3 +310,91 @@ def test_a_bad_number_ends_the_script_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == ["error: argument --batch_size: must be a whole number >= 1, got 0 "
                                                   "(see --help)"]
     assert not os.path.exists(tmp_path / "pretrain_tiny.json")
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_as_eager_ones_and_resume_and_export_alike(tmp_path, monkeypatch):
+    """--compile 1 (inductor's CPU code for each block) computes what eager does: the same losses to tolerance, the
+    same saved weights to tolerance, and its resume checkpoint and export load as eager ones do."""
+    def train(name, *extra):
+        out, ckpt = tmp_path / name / "out", tmp_path / name / "ckpt"
+        argv = [*SMALL_RUN, "--max_steps", "3", "--out_dir", str(out), "--save_dir", str(ckpt), *extra]
+        run_in_process(train_pretrain, argv, monkeypatch)
+        with open(out / "pretrain_tiny_metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f]
+        resume = torch.load(ckpt / "pretrain_tiny_resume.step00000003.pt", weights_only=True)
+        return rows, resume
+
+    eager, eager_state = train("eager")
+    compiled, compiled_state = train("compiled", "--compile", "1")
+    assert [r["step"] for r in compiled] == [1, 2, 3]
+    for e, c in zip(eager, compiled):
+        assert c["loss"] == pytest.approx(e["loss"], rel=1e-4, abs=1e-5)
+        assert c["grad_norm"] == pytest.approx(e["grad_norm"], rel=1e-3)
+    assert compiled_state["model"].keys() == eager_state["model"].keys()  # no "_orig_mod" names in the state
+    for name, tensor in eager_state["model"].items():
+        torch.testing.assert_close(compiled_state["model"][name], tensor, rtol=1e-3, atol=1e-5)
+    # the compiled run's resume goes on (eager or compiled alike), and its export loads strictly
+    resumed = [*SMALL_RUN, "--max_steps", "4", "--out_dir", str(tmp_path / "compiled" / "out"), "--save_dir",
+               str(tmp_path / "compiled" / "ckpt"), "--from_resume", "1"]
+    assert run_in_process(train_pretrain, resumed, monkeypatch)[0] == 4
+    model, _, record = load_weights(str(tmp_path / "compiled" / "out" / "pretrain_tiny.json"))
+    assert record["step"] == 4 and isinstance(model, SD3Light)
+
+
+def timed_as(monkeypatch, bf16_seconds):
+    """The CPU bf16 check, told that an MLP step takes 1 s in fp32 and `bf16_seconds` in bf16."""
+    monkeypatch.setattr(precision, "mlp_step", lambda x, up, down, bf16: bf16_seconds if bf16 else 1.0)
+    precision.cpu_bf16_speedup.cache_clear()
+
+
+def test_cpu_bf16_check_falls_back_to_fp32_where_bf16_is_slower(monkeypatch):
+    cpu = torch.device("cpu")
+    try:
+        timed_as(monkeypatch, 1.5)  # emulated bf16: slower
+        assert precision.resolve_dtype("fast", cpu)[0] == "fp32" and autocast_dtype("fast", cpu) is None
+        timed_as(monkeypatch, 0.95)  # not clearly faster: fp32 still
+        assert precision.resolve_dtype("fast", cpu)[0] == "fp32"
+        timed_as(monkeypatch, 0.5)  # native bf16
+        assert precision.resolve_dtype("fast", cpu) == ("bf16", "fast: bf16 ran at 2.00x fp32's speed here")
+        assert autocast_dtype("fast", cpu) is torch.bfloat16
+        assert precision.resolve_dtype("fast", cpu, several_processes=True)[0] == "fp32"  # torchrun on a CPU
+        assert precision.resolve_dtype("fast", cpu, cpu_bf16=False)[0] == "fp32"  # DPO, distillation
+        assert precision.resolve_dtype("auto", cpu) == ("fp32", "auto on a CPU")  # the default: no check decides
+        assert precision.resolve_dtype("fp32", cpu)[0] == "fp32"  # asked for: no check decides
+        assert precision.resolve_dtype("bf16", cpu)[0] == "bf16"
+        assert all(precision.resolve_dtype(d, torch.device("cuda"))[0] == "bf16" for d in ("auto", "fast"))
+    finally:
+        precision.cpu_bf16_speedup.cache_clear()
+    assert precision.cpu_bf16_speedup() > 0  # the real check runs (what it finds depends on this CPU)
+
+
+@pytest.mark.slow
+def test_a_resumed_fast_run_keeps_the_precision_it_began_with(tmp_path, monkeypatch):
+    """--dtype fast is decided by timing at start-up; a resume goes on in what the run began with even if today's
+    check says otherwise, so the trajectory is the uninterrupted one's."""
+    def train(name, steps, resume="0"):
+        argv = [*SMALL_RUN, "--dtype", "fast", "--max_steps", "4", "--out_dir", str(tmp_path / name / "out"),
+                "--save_dir", str(tmp_path / name / "ckpt"), "--from_resume", resume]
+        if steps < 4:  # stopped after `steps`, as a stop signal would
+            monkeypatch.setattr(train_pretrain.TrainingRun, "finished", property(lambda run: run.step >= steps))
+        result = run_in_process(train_pretrain, argv, monkeypatch)
+        monkeypatch.undo()
+        with open(tmp_path / name / "out" / "pretrain_tiny_metrics.jsonl") as f:
+            return result, [json.loads(line)["loss"] for line in f]
+
+    try:
+        timed_as(monkeypatch, 0.5)
+        (_, messages), whole = train("whole", 4)
+        assert "computing in bf16 (fast: bf16 ran at 2.00x fp32's speed here)" in messages
+        timed_as(monkeypatch, 0.5)
+        train("cut", 2)
+        timed_as(monkeypatch, 1.5)  # today bf16 would lose: the resume still computes in bf16
+        (step, messages), cut = train("cut", 4, resume="1")
+        assert step == 4 and "computing in bf16, as the run it resumes did" in messages
+        assert cut == whole
+        timed_as(monkeypatch, 1.5)
+        (_, messages), fp32 = train("fp32", 4)
+        assert "computing in fp32" in messages[0] and fp32[1:] != whole[1:]  # the choice changes the numbers
+    finally:
+        precision.cpu_bf16_speedup.cache_clear()

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from model.precision import resolve_dtype
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
@@ -132,7 +133,9 @@ def add_plumbing_args(parser, data="builtin"):
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
       "step trained on (to audit the data order across resumes)")
     a("--num_workers", type=non_negative_int, default=0, help="data loader processes (0 on a small CPU)")
-    a("--dtype", default="auto", choices=["auto", "fp32", "bf16"], help="autocast; auto = bf16 on GPU, fp32 on CPU")
+    a("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16"], help="autocast; auto = bf16 on a GPU, "
+      "fp32 on a CPU; fast = bf16 on a GPU, and on a CPU where a quick check at start-up finds it faster (native "
+      "bf16: AVX512-BF16, AMX) in the stages that allow it (pretrain, SFT, LoRA), else fp32")
     a("--gradient_checkpointing", type=switch, default=0, help="1 = recompute each block in backward (less memory)")
     a("--compile", type=switch, default=0, help="1 = torch.compile each transformer block (faster steps on a GPU, "
       "after a first step that compiles)")
@@ -146,5 +149,6 @@ def add_plumbing_args(parser, data="builtin"):
 
 
 def autocast_dtype(dtype, device):
-    """--dtype as the autocast dtype on `device`, or None for plain fp32."""
-    return torch.bfloat16 if dtype == "bf16" or (dtype == "auto" and device.type == "cuda") else None
+    """--dtype as the autocast dtype on `device`, or None for plain fp32 (auto, fast: see model/precision.py; a run
+    resolves it once at start, TrainingRun)."""
+    return torch.bfloat16 if resolve_dtype(dtype, device)[0] == "bf16" else None

@@ -121,8 +121,11 @@ def main(argv=None):
     args.real_guidance = start["sampling"]["cfg"] if args.real_guidance is None else args.real_guidance
     args.fake_learning_rate = args.fake_learning_rate or args.learning_rate
     sigmas = [round(s, 6) for s in generator_sigmas(args.gen_steps, args.gen_shift).tolist()]
+    # The generator's gradient is the difference of two scores' predictions: on a CPU, --dtype fast keeps fp32
+    # (bf16 was not measured here)
     run = TrainingRun(args, info, "distill", run_name("distill", args.preset),
-                      sampling={"steps": args.gen_steps, "cfg": 1.0, "shift": args.gen_shift, "renoise": True})
+                      sampling={"steps": args.gen_steps, "cfg": 1.0, "shift": args.gen_shift, "renoise": True},
+                      cpu_bf16=False)
     low, high = args.guidance_interval
     run.log(f"teacher {start['manifest']} (step {start['step']}, predicts {start['prediction']}, guidance "
             f"{args.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")

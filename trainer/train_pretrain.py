@@ -52,6 +52,9 @@ def parse_args(argv=None):
     recipe.add_argument("--num_samples", type=positive_int, default=20000, help="size of the built-in dataset")
     recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
+    recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="muon = Muon for the blocks' "
+                        "2-D weights (its step scaled to AdamW's size, so one --learning_rate serves both), AdamW "
+                        "for the rest")
     recipe.add_argument("--learning_rate", type=positive_float, default=1e-3)
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=100)
     recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
@@ -105,7 +108,14 @@ def main(argv=None):
     # parameters, on a CPU too); an EMA follows them
     train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    if args.optimizer == "muon":  # the blocks' matrices orthogonalised (Muon); embeddings, norms, biases with AdamW
+        hidden = model.block_matrices()
+        rest = [p for p in params if all(p is not h for h in hidden)]
+        optimizer = [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                      adjust_lr_fn="match_rms_adamw"),
+                     torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
     stem = os.path.join(args.out_dir, run.name)
 

@@ -36,7 +36,8 @@ from dataset.training_data import warn_truncated
 from eval.sampling import sample_images, save_grid
 from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
-from trainer.parallel import NamedOptimizerState, conform, gathered, to_item
+from model.precision import resolve_dtype
+from trainer.parallel import NamedOptimizerState, as_list, conform, gathered, to_item
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import (
     StopSignal, check_resume, find_resume, ignore_sigint, lr_at, mean_and_any, rng_state, set_rng_state, to_cpu,
@@ -49,9 +50,11 @@ NAN_STEPS_LIMIT = 10  # this many non-finite losses in a row stop the run
 class TrainingRun:
     """The bookkeeper of one run (the module's docstring shows how a stage uses it)."""
 
-    def __init__(self, args, info, stage, name, sampling=None):
+    def __init__(self, args, info, stage, name, sampling=None, cpu_bf16=True):
         """`sampling`: how the sample grids draw and the export records it is drawn (eval.sampling.sample_images's
-        settings); by default the stage's --sample_steps, --sample_cfg and --sample_shift."""
+        settings); by default the stage's --sample_steps, --sample_cfg and --sample_shift. `cpu_bf16`: whether
+        --dtype fast may take bf16 on a CPU (model/precision.py); a stage whose loss compares two predictions
+        closer than bf16 resolves says no."""
         self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
         self.given_sampling = sampling
         self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
@@ -62,6 +65,11 @@ class TrainingRun:
         self.plan_batch, self.wandb_id, self.bar, self.wandb_run = self.global_batch, None, None, None
         self.stop, self.skipped, self.ids, self.resumed = False, False, [], False
         self.stop_signal = StopSignal()
+        # --dtype auto or fast decided once, here (fast on a CPU measures whether bf16 pays); saved with the args
+        self.dtype_given = args.dtype
+        args.dtype, why = resolve_dtype(args.dtype, info.device, info.world_size > 1, cpu_bf16)
+        if self.dtype_given in ("auto", "fast"):
+            self.log(f"computing in {args.dtype} ({why})")
 
     def log(self, msg):
         """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
@@ -122,6 +130,11 @@ class TrainingRun:
         if self.plan_steps > saved_plan:
             self.log(f"the schedule now ends at step {self.plan_steps} (it was to end at step {saved_plan}): the "
                      "learning rate follows the longer schedule from here")
+        saved_dtype = state["args"].get("dtype")
+        if self.dtype_given == "fast" and saved_dtype in ("bf16", "fp32") and saved_dtype != self.args.dtype and \
+                state["world_size"] == self.info.world_size:
+            self.args.dtype = saved_dtype  # the trajectory goes on as it began, whatever today's check says
+            self.log(f"computing in {saved_dtype}, as the run it resumes did")
         missing = [name for name, obj in self.tracked.items() if obj is not None and name not in state]
         if missing:
             raise UserError(f"{where} holds no {', '.join(missing)}: it was saved by another kind of run")
@@ -180,7 +193,7 @@ class TrainingRun:
                                         mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
             self.wandb_id = self.wandb_run.id
         trainable = {id(p): p.numel() for obj in self.tracked.values() if isinstance(obj, NamedOptimizerState)
-                     for group in obj.optimizer.param_groups for p in group["params"]}
+                     for opt in as_list(obj.optimizer) for group in opt.param_groups for p in group["params"]}
         steps_left = math.ceil((self.total_samples - self.samples_seen) / self.global_batch)
         how = f"FSDP over mesh {tuple(self.info.mesh.shape)}" if self.info.sharded else \
             "DDP" if self.info.world_size > 1 else "one process"
@@ -235,9 +248,10 @@ class TrainingRun:
                 yield batch
 
     def schedule_lr(self, optimizer, base_lr, warmup_steps, min_lr_ratio):
-        """Set `optimizer`'s learning rate for this step (warmup, then cosine; counted in samples) -> the rate."""
+        """Set the learning rate of `optimizer` (or of each of a list) for this step (warmup, then cosine; counted in
+        samples) -> the rate."""
         lr = lr_at(self.samples_seen / self.plan_batch, self.plan_steps, base_lr, warmup_steps, min_lr_ratio)
-        for group in optimizer.param_groups:
+        for group in (group for opt in as_list(optimizer) for group in opt.param_groups):
             group["lr"] = lr
         return lr
 
@@ -259,13 +273,14 @@ class TrainingRun:
         return means[0] if single else dict(zip(totals, means))
 
     def optimizer_step(self, optimizer, params, loss, grad_clip, ema=None):
-        """Clip the gradients of `params`, step `optimizer` and update `ema`; -> the gradient norm. A loss or a
-        gradient norm that is not finite (the same on every rank: both are global, sharded gradients included)
-        skips the update instead, -> None; ten in a row stop the run."""
+        """Clip the gradients of `params`, step `optimizer` (or each of a list) and update `ema`; -> the gradient
+        norm. A loss or a gradient norm that is not finite (the same on every rank: both are global, sharded
+        gradients included) skips the update instead, -> None; ten in a row stop the run."""
         grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if math.isfinite(loss) else None
         if grad_norm is not None and math.isfinite(grad_norm):
             self.nan_streak = 0
-            optimizer.step()
+            for opt in as_list(optimizer):
+                opt.step()
             if ema is not None:
                 ema.update(self.step)
         else:
@@ -275,7 +290,8 @@ class TrainingRun:
             if self.nan_streak >= NAN_STEPS_LIMIT:
                 raise UserError(f"loss was not finite for {self.nan_streak} steps in a row (last good save in "
                                 f"{self.args.save_dir}): lower --learning_rate or check the data")
-        optimizer.zero_grad(set_to_none=True)
+        for opt in as_list(optimizer):
+            opt.zero_grad(set_to_none=True)
         return grad_norm
 
     def end_step(self, export, sample_model, **metrics):

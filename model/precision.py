@@ -1,0 +1,63 @@
+"""Which precision a run computes in. --dtype auto (the default): bf16 autocast on a GPU, fp32 on a CPU. --dtype fast:
+bf16 on a GPU, and on a CPU only where a quick check at start-up finds bf16 faster than fp32 there (CPUs with native
+bf16, AVX512-BF16 or AMX, run its matrix products about twice as fast; on others bf16 is emulated and slower).
+Measured, not guessed from CPU flags. It is not auto's choice on a CPU: the main job in bf16 reached the same
+held-out loss but a lower held-out score (BENCHMARKS.md)."""
+import functools
+import time
+
+import torch
+
+CHECK_WIDTH, CHECK_ROWS, CHECK_ROUNDS = 192, 1024, 9  # a tiny block's MLP on a batch's tokens
+BF16_MARGIN = 0.8  # bf16 is taken when its step takes at most this fraction of fp32's
+
+
+def mlp_step(x, up, down, bf16):
+    """One forward + backward of a transformer MLP (width -> 4 width -> width, GELU), in fp32 or under CPU bf16
+    autocast: what a training step spends most of its time on. -> seconds."""
+    t0 = time.perf_counter()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        y = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(x, up)), down)
+    y.float().square().mean().backward()
+    return time.perf_counter() - t0
+
+
+@functools.cache
+def cpu_bf16_speedup(width=CHECK_WIDTH, rows=CHECK_ROWS, rounds=CHECK_ROUNDS):
+    """fp32 time / bf16 time of the check on this CPU (above 1: bf16 is faster), measured once per process. The
+    two alternate round by round, so a busy moment slows both alike; the medians compare."""
+    generator = torch.Generator().manual_seed(0)
+    up = torch.randn(4 * width, width, generator=generator).div_(width ** 0.5).requires_grad_()
+    down = torch.randn(width, 4 * width, generator=generator).div_((4 * width) ** 0.5).requires_grad_()
+    x = torch.randn(rows, width, generator=generator)
+    mlp_step(x, up, down, False), mlp_step(x, up, down, True)  # warm-up: first calls set kernels up
+    times = {False: [], True: []}
+    for _ in range(rounds):
+        for bf16 in (False, True):
+            times[bf16].append(mlp_step(x, up, down, bf16))
+    fp32, bf16 = (sorted(times[b])[rounds // 2] for b in (False, True))
+    return fp32 / bf16
+
+
+def cpu_bf16_pays():
+    """True where bf16 autocast is clearly faster than fp32 on this CPU."""
+    return cpu_bf16_speedup() >= 1 / BF16_MARGIN
+
+
+def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
+    """--dtype as what the run computes in -> ("bf16" or "fp32", why). auto: bf16 on a GPU, fp32 on a CPU. fast:
+    bf16 on a GPU; on a CPU, bf16 where the check finds it faster, for one process (several processes on one CPU
+    share its cores: that is the multi-GPU code path tried out, in fp32, the same on every rank whatever each
+    one's check would time), and only where the stage allows it (`cpu_bf16`; see TrainingRun)."""
+    if dtype in ("fp32", "bf16"):
+        return dtype, "as asked"
+    if device.type == "cuda":
+        return "bf16", f"{dtype} on a GPU"
+    if dtype == "auto":
+        return "fp32", "auto on a CPU"
+    if not cpu_bf16:
+        return "fp32", "fast: bf16 is not taken on a CPU in this stage"
+    if several_processes:
+        return "fp32", "fast with several processes on a CPU"
+    speedup = cpu_bf16_speedup()
+    return ("bf16" if speedup >= 1 / BF16_MARGIN else "fp32"), f"fast: bf16 ran at {speedup:.2f}x fp32's speed here"
