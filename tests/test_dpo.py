@@ -20,7 +20,7 @@ from model.checkpoint import checkpoint_file, first_difference, load_safetensors
 from model.components import BuiltinComponents
 from model.model_lora import read_lora_file
 from trainer import preference
-from trainer.preference import flow_dpo_loss, frozen_copy_reference
+from trainer.preference import flow_dpo_loss, frozen_copy_reference, pair_indices
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_in_process
@@ -124,6 +124,13 @@ def test_the_clause_score_grades_images_and_is_full_for_the_truth():
             assert clauses_held(spec, find_objects(blank))[0] == 0
 
 
+def test_a_prompts_images_pair_best_with_worst_or_every_two_that_differ():
+    scores = np.array([0.4, 0.8, 0.4, 0.2])
+    assert pair_indices(scores, "best_worst") == [(1, 3)]
+    assert sorted(pair_indices(scores, "all")) == [(0, 3), (1, 0), (1, 2), (1, 3), (2, 3)]  # the 0.4s tie: no pair
+    assert pair_indices(np.full(4, 0.5), "all") == pair_indices(np.full(4, 0.5), "best_worst") == []
+
+
 def test_the_drawn_prompts_never_hold_a_held_out_pair_or_a_scored_prompt():
     scored = {spec["caption"] for spec in all_prompts(24)}
     held_out = [f"{color} {shape}" for color, shape in HELD_OUT_PAIRS]
@@ -181,10 +188,12 @@ def run_watched(run_dir, start_path, monkeypatch, *extra, stop_at=None):
 
 
 def test_the_reference_never_changes_and_the_policy_does(tmp_path, start, monkeypatch):
-    watch, messages = run_watched(tmp_path, start, monkeypatch, "--max_steps", "4")
+    watch, messages = run_watched(tmp_path, start, monkeypatch, "--max_steps", "4", "--dtype", "fast")
     assert len(watch.calls) == 4 and len({c["reference"] for c in watch.calls}) == 1
     assert len({c["base"] for c in watch.calls}) == 4  # all weights train
     assert sum("pairs, round" in m for m in messages) == 2  # steps 1 and 3
+    # bf16's rounding is the loss's size: fast stays fp32 on a CPU here
+    assert "computing in fp32 (fast: bf16 is not taken on a CPU in this stage)" in messages
     rows = [json.loads(line) for line in open(tmp_path / "out" / "dpo_tiny_metrics.jsonl")]
     assert all({"dpo", "reward_accuracy", "reward_margin"} <= set(row) for row in rows)
     assert "pair_score" in rows[0] and "pair_score" in rows[2] and "pair_score" not in rows[1]

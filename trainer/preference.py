@@ -105,12 +105,22 @@ def score_images(spec, images):
     return np.array(scores), np.array(right)
 
 
+def pair_indices(scores, choice):
+    """Scores of a prompt's images -> (chosen, rejected) indices: "best_worst" = the best and the worst image (the
+    first of equals), "all" = every two whose scores differ, the higher scored chosen; none where all tie."""
+    if choice == "all":
+        return [(i, j) for i in range(len(scores)) for j in range(len(scores)) if scores[i] > scores[j]]
+    best, worst = int(np.argmax(scores)), int(np.argmin(scores))
+    return [(best, worst)] if scores[best] > scores[worst] else []
+
+
 @torch.no_grad()
 def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
-               batch_size=256):
+               choice="best_worst", batch_size=256):
     """Sample `images_per_prompt` images of each spec's caption (spec k's noise seeded from seeds[k] on) and score
-    them -> [(caption, chosen uint8, rejected uint8) or None, ...] per spec (None: all its images scored alike),
-    and [(mean score, fraction right) per spec]."""
+    them -> [[(caption, chosen uint8, rejected uint8), ...] per spec] (empty: all its images scored alike), and
+    [(mean score, fraction right) per spec]. `choice`: "best_worst" = a prompt's best and worst image, "all" =
+    every two of its images whose scores differ, the higher scored chosen."""
     captions = [spec["caption"] for spec in specs for _ in range(images_per_prompt)]
     noise_seeds = [seed + j for seed in seeds for j in range(images_per_prompt)]
     images = np.concatenate([to_uint8(sample_images(
@@ -120,8 +130,7 @@ def draw_round(model, components, specs, images_per_prompt, sampling, seeds, res
     for k, spec in enumerate(specs):
         own = images[k * images_per_prompt:(k + 1) * images_per_prompt]
         scores, right = score_images(spec, own)
-        best, worst = int(scores.argmax()), int(scores.argmin())
-        pairs.append((spec["caption"], own[best], own[worst]) if scores[best] > scores[worst] else None)
+        pairs.append([(spec["caption"], own[i], own[j]) for i, j in pair_indices(scores, choice)])
         stats.append((float(scores.mean()), float(right.mean())))
     return pairs, stats
 
@@ -138,16 +147,17 @@ def refresh_pool(pool, round_, model, components, info, args, log, avoid):
     seed = (args.seed * 100003 + round_) * 1000
     pairs, stats = draw_round(model, components, [specs[k] for k in mine], args.pair_images, sampling,
                               [seed + k * args.pair_images for k in mine], args.resolution, args.prediction,
-                              info.device)
+                              info.device, args.pair_choice)
     drawn = dict(zip(mine, zip(pairs, stats)))
     if info.world_size > 1:
         gathered = [None] * info.world_size
         dist.all_gather_object(gathered, drawn)
         drawn = {k: v for part in gathered for k, v in part.items()}
     pairs, stats = [drawn[k][0] for k in range(len(specs))], [drawn[k][1] for k in range(len(specs))]
-    kept = [p for p in pairs if p is not None]
+    kept = [pair for own in pairs for pair in own]
     score, right = np.mean([s for s, _ in stats]), np.mean([r for _, r in stats])
-    log(f"pairs, round {round_}: {len(kept)} of {len(specs)} prompts gave a pair; the policy's images hold "
+    log(f"pairs, round {round_}: {sum(map(bool, pairs))} of {len(specs)} prompts gave {len(kept)} pairs; the "
+        f"policy's images hold "
         f"{score:.3f} of their prompts' clauses, {right:.3f} are right")
     if kept:
         captions, chosen, rejected = zip(*kept)
