@@ -284,7 +284,7 @@ def two_ranks_from_different_seeds(rank, folder):
         if rank == 0:
             assert first_difference(rank0[0], whole) is None
         run = TrainingRun(argparse.Namespace(save_dir=folder, out_dir=folder, seed=0, batch_size=1,
-                                             accumulation_steps=1), info, "test", "test")
+                                             accumulation_steps=1, dtype="fp32"), info, "test", "test")
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params, lr=0.1)
         before = [p.to_local().clone() for p in params]
