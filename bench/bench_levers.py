@@ -21,11 +21,9 @@ from model.precision import cpu_bf16_speedup  # noqa: E402
 
 def make_optimizer(model, kind, lr=1e-3):
     """As train_pretrain.py builds them: AdamW on everything, or Muon on the blocks' matrices + AdamW on the rest."""
-    params = list(model.parameters())
     if kind == "adamw":
-        return [torch.optim.AdamW(params, lr=lr, fused=True)]
-    hidden = model.block_matrices()
-    rest = [p for p in params if all(p is not h for h in hidden)]
+        return [torch.optim.AdamW(model.parameters(), lr=lr, fused=True)]
+    hidden, rest = model.block_matrices_and_rest()
     return [torch.optim.Muon(hidden, lr=lr, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=lr, fused=True)]
 
 

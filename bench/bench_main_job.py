@@ -17,7 +17,6 @@ import argparse
 import glob
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -27,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.bench_model import machine_name  # noqa: E402
 from bench.demo_scores import measure  # noqa: E402
 from dataset.image_folder import build_dataset  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
@@ -37,16 +37,6 @@ from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_model():
-    """The CPU's model name as lscpu shows it (/proc/cpuinfo), else what platform knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        return f"{names[0]}, {len(names)} cores" if names else platform.processor()
-    except OSError:
-        return platform.processor() or platform.machine()
 
 
 def process_cpu_seconds(pid):
@@ -183,7 +173,7 @@ def main():
         if save["step"] in steps:
             folder = os.path.join(work, "snapshots", f"step_{save['step']:08d}")
             save.update(quality(glob.glob(os.path.join(folder, "*.json"))[0], args.seeds, device))
-    row = {"label": args.label, "recipe": args.recipe, "machine": cpu_model(), "torch": torch.__version__,
+    row = {"label": args.label, "recipe": args.recipe, "machine": machine_name(device.type), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), **run}
     atomic_write_text(os.path.join(args.root, f"{args.label}.json"), json.dumps(row, indent=2) + "\n")
     print(table([row]))

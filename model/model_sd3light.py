@@ -446,10 +446,14 @@ class SD3Light(nn.Module):
         nn.init.zeros_(self.proj_out.weight)
         nn.init.zeros_(self.proj_out.bias)
 
-    def block_matrices(self):
-        """The transformer blocks' 2-D weights (attention and MLP projections, modulation): the hidden matrices
-        Muon orthogonalises; embeddings, the output layer, norms and biases are not among them."""
-        return [p for n, p in self.named_parameters() if n.startswith("transformer_blocks.") and p.ndim == 2]
+    def block_matrices_and_rest(self):
+        """The parameters split in two: the transformer blocks' 2-D weights (attention and MLP projections,
+        modulation), the hidden matrices Muon orthogonalises, and the rest (embeddings, the output layer, norms,
+        biases)."""
+        matrices, rest = [], []
+        for name, p in self.named_parameters():
+            (matrices if name.startswith("transformer_blocks.") and p.ndim == 2 else rest).append(p)
+        return matrices, rest
 
     def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
         """hidden_states [B, C, H, W] latents; encoder_hidden_states [B, L, joint_attention_dim];

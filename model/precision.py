@@ -39,11 +39,6 @@ def cpu_bf16_speedup(width=CHECK_WIDTH, rows=CHECK_ROWS, rounds=CHECK_ROUNDS):
     return fp32 / bf16
 
 
-def cpu_bf16_pays():
-    """True where bf16 autocast is clearly faster than fp32 on this CPU."""
-    return cpu_bf16_speedup() >= 1 / BF16_MARGIN
-
-
 def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
     """--dtype as what the run computes in -> ("bf16" or "fp32", why). auto: bf16 on a GPU, fp32 on a CPU. fast:
     bf16 on a GPU; on a CPU, bf16 where the check finds it faster, for one process (several processes on one CPU

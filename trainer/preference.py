@@ -114,6 +114,11 @@ def pair_indices(scores, choice):
     return [(best, worst)] if scores[best] > scores[worst] else []
 
 
+def pairs_per_prompt(images_per_prompt, choice):
+    """The most pairs pair_indices makes of one prompt's images (all scores distinct)."""
+    return images_per_prompt * (images_per_prompt - 1) // 2 if choice == "all" else 1
+
+
 @torch.no_grad()
 def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
                choice="best_worst", batch_size=256):

@@ -48,7 +48,7 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
 from trainer.preference import (  # noqa: E402
-    adapters_off_reference, flow_dpo_loss, frozen_copy_reference, refresh_pool,
+    adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
 )
 from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
@@ -75,7 +75,7 @@ def parse_args(argv=None):
     recipe.add_argument("--lora_targets", default="attention", help=f"comma-separated groups "
                         f"({', '.join(TARGET_GROUPS)}) or module name suffixes")
     recipe.add_argument("--pair_prompts", type=positive_int, default=128, help="builtin pairs: prompts drawn a round "
-                        "(the pool holds one pair a prompt)")
+                        "(the pool holds as many pairs as their images can make)")
     recipe.add_argument("--pair_images", type=positive_int, default=8, help="builtin pairs: images a prompt")
     recipe.add_argument("--pair_choice", default="all", choices=["best_worst", "all"], help="builtin pairs: "
                         "of a prompt's images, the best and the worst, or every two whose scores differ")
@@ -123,8 +123,7 @@ def preference_data(args, components, start, log):
     args.pair_sample_cfg = sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg
     args.pair_sample_shift = args.pair_sample_shift or sampling["shift"]
     args.num_workers = 0  # the pool changes in place each round: no worker may keep a stale copy
-    per_prompt = args.pair_images * (args.pair_images - 1) // 2 if args.pair_choice == "all" else 1
-    return PairPool(args.pair_prompts * per_prompt, args.resolution)
+    return PairPool(args.pair_prompts * pairs_per_prompt(args.pair_images, args.pair_choice), args.resolution)
 
 
 def main(argv=None):

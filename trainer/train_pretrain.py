@@ -109,8 +109,7 @@ def main(argv=None):
     train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     params = list(model.parameters())
     if args.optimizer == "muon":  # the blocks' matrices orthogonalised (Muon); embeddings, norms, biases with AdamW
-        hidden = model.block_matrices()
-        rest = [p for p in params if all(p is not h for h in hidden)]
+        hidden, rest = model.block_matrices_and_rest()
         optimizer = [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
                                       adjust_lr_fn="match_rms_adamw"),
                      torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
