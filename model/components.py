@@ -58,11 +58,15 @@ class WordTokenizer:
             return self.word_ids[word]
         return len(self.vocab) + zlib.crc32(word.encode("utf-8")) % self.hash_buckets
 
+    @staticmethod
+    def words(caption):
+        return re.findall(r"\w+", caption.lower())
+
     def __call__(self, captions):
         """-> LongTensor [B, max_length]: bos, words (truncated), eos, padding."""
         rows = []
         for caption in captions:
-            words = re.findall(r"\w+", caption.lower())[: self.max_length - 2]
+            words = self.words(caption)[: self.max_length - 2]
             ids = [self.bos_id] + [self.word_id(w) for w in words] + [self.eos_id]
             rows.append(ids + [self.pad_id] * (self.max_length - len(ids)))
         return torch.tensor(rows, dtype=torch.long)
@@ -72,11 +76,11 @@ class BuiltinTextEncoder(nn.Module):
     """A tiny random-init CLIP text model, frozen. Random but contextual: word order changes its output, and the
     pooled vector (at the eos token) sees the whole caption. Its weights are saved with the model."""
 
-    def __init__(self, vocab, width=128, layers=2, heads=4, max_length=24, hash_buckets=512, seed=0):
+    def __init__(self, vocab, width=128, layers=2, heads=4, max_length=24, hash_buckets=512, seed=0, tokens=None):
         super().__init__()
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-        self.tokenizer = WordTokenizer(vocab, max_length, hash_buckets)
+        self.tokenizer = WordTokenizer(vocab, tokens or max_length, hash_buckets)
         config = CLIPTextConfig(
             vocab_size=self.tokenizer.vocab_size, hidden_size=width, intermediate_size=4 * width,
             num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=max_length,
@@ -94,18 +98,29 @@ class BuiltinTextEncoder(nn.Module):
         return out.last_hidden_state, out.text_embeds
 
 
+BUILTIN_TEXT_POSITIONS = 24  # the built-in text encoder's positions: the longest text it can encode
+
+
 class BuiltinComponents(nn.Module):
-    """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128)."""
+    """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128).
+    `text_tokens`: how many tokens a caption is encoded into (None: text_max_length, the encoder's positions). The
+    encoder is causal, so its first tokens are the same whatever the length: a shorter text saves the transformer
+    work on padding and leaves the encoder's weights (drawn for text_max_length positions) as they were."""
 
     text_encoders = ("text",)  # one encoder: caption dropout drops the whole text
 
-    def __init__(self, vocab, factor=2, text_width=128, text_layers=2, text_max_length=24, seed=0):
+    def __init__(self, vocab, factor=2, text_width=128, text_layers=2, text_max_length=BUILTIN_TEXT_POSITIONS, seed=0,
+                 text_tokens=None):
         super().__init__()
+        if text_tokens is not None and not 3 <= text_tokens <= text_max_length:
+            raise ValueError(f"text_tokens must be 3 ... {text_max_length} (bos, a word, eos), not {text_tokens}")
         self.spec = dict(kind="builtin", vocab=list(vocab), factor=factor, text_width=text_width,
                          text_layers=text_layers, text_max_length=text_max_length, seed=seed)
+        if text_tokens is not None:  # absent from the specs of weights made before it could be set
+            self.spec["text_tokens"] = text_tokens
         self.autoencoder = PixelAutoencoder(factor)
         self.text_encoder = BuiltinTextEncoder(vocab, width=text_width, layers=text_layers,
-                                               max_length=text_max_length, seed=seed)
+                                               max_length=text_max_length, seed=seed, tokens=text_tokens)
         self.latent_channels, self.downscale = self.autoencoder.latent_channels, factor
         self.joint_attention_dim = self.pooled_projection_dim = text_width
 
