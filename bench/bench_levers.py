@@ -54,8 +54,7 @@ def main():
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--latent_size", type=int, default=16, help="32 px images through the built-in VAE")
-    parser.add_argument("--text_len", type=int, default=16, help="text tokens: the main job's (--text_tokens auto "
-                        "on the built-in shapes)")
+    parser.add_argument("--text_len", type=int, default=24, help="text tokens: the built-in encoder's 24")
     parser.add_argument("--threads", type=int, default=None, help="default: torch's own (the cores)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no_compile", action="store_true")

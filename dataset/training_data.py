@@ -16,29 +16,16 @@ from dataset.cache import build_cache
 from dataset.image_folder import build_dataset, read_prompt_file
 from dataset.preference_pairs import encode_pairs
 from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION
-from model.components import BUILTIN_TEXT_POSITIONS, BuiltinComponents, SD3Components
+from model.components import BuiltinComponents, SD3Components
 from model.errors import UserError
 from model.file_io import json_digest
 
-BUILTIN_SHAPES_TEXT_TOKENS = 16  # the built-in captions' bos, up to MAX_CAPTION_WORDS words and eos, and padding
-
 
 def make_components(args, info):
-    """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones (their
-    text as long as args.text_tokens, when the stage has it)."""
+    """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones."""
     if not args.base:
-        return BuiltinComponents(GRAMMAR_WORDS, text_tokens=getattr(args, "text_tokens", None))
+        return BuiltinComponents(GRAMMAR_WORDS)
     return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
-
-
-def builtin_text_tokens(args):
-    """--text_tokens as a number: auto = 16 on the built-in shapes (captions of up to MAX_CAPTION_WORDS words,
-    bos and eos: 12 tokens, and a few tokens of padding that the causal encoder fills with what the caption said),
-    the encoder's whole length on other data, whose captions may be longer."""
-    if args.text_tokens != "auto":
-        return args.text_tokens
-    builtin = args.data == "builtin" or args.data.startswith("builtin:")
-    return BUILTIN_SHAPES_TEXT_TOKENS if builtin else BUILTIN_TEXT_POSITIONS
 
 
 def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
@@ -69,7 +56,7 @@ def warn_long_captions(dataset, components, log):
     count = sum(len(tokenizer.words(caption)) > longest for _, caption in dataset.items)
     if count:
         log(f"warning: {count} caption(s) have more than {longest} words; the built-in text encoder reads their "
-            f"first {longest} (pretraining: a larger --text_tokens reads up to {BUILTIN_TEXT_POSITIONS - 2})")
+            f"first {longest} (SD3 components read 77 tokens: --base)")
 
 
 def sample_prompts_for(dataset, prompt_file=None, count=8):

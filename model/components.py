@@ -76,11 +76,11 @@ class BuiltinTextEncoder(nn.Module):
     """A tiny random-init CLIP text model, frozen. Random but contextual: word order changes its output, and the
     pooled vector (at the eos token) sees the whole caption. Its weights are saved with the model."""
 
-    def __init__(self, vocab, width=128, layers=2, heads=4, max_length=24, hash_buckets=512, seed=0, tokens=None):
+    def __init__(self, vocab, width=128, layers=2, heads=4, max_length=24, hash_buckets=512, seed=0):
         super().__init__()
         from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-        self.tokenizer = WordTokenizer(vocab, tokens or max_length, hash_buckets)
+        self.tokenizer = WordTokenizer(vocab, max_length, hash_buckets)
         config = CLIPTextConfig(
             vocab_size=self.tokenizer.vocab_size, hidden_size=width, intermediate_size=4 * width,
             num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=max_length,
@@ -98,29 +98,18 @@ class BuiltinTextEncoder(nn.Module):
         return out.last_hidden_state, out.text_embeds
 
 
-BUILTIN_TEXT_POSITIONS = 24  # the built-in text encoder's positions: the longest text it can encode
-
-
 class BuiltinComponents(nn.Module):
-    """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128).
-    `text_tokens`: how many tokens a caption is encoded into (None: text_max_length, the encoder's positions). The
-    encoder is causal, so its first tokens are the same whatever the length: a shorter text saves the transformer
-    work on padding and leaves the encoder's weights (drawn for text_max_length positions) as they were."""
+    """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128)."""
 
     text_encoders = ("text",)  # one encoder: caption dropout drops the whole text
 
-    def __init__(self, vocab, factor=2, text_width=128, text_layers=2, text_max_length=BUILTIN_TEXT_POSITIONS, seed=0,
-                 text_tokens=None):
+    def __init__(self, vocab, factor=2, text_width=128, text_layers=2, text_max_length=24, seed=0):
         super().__init__()
-        if text_tokens is not None and not 3 <= text_tokens <= text_max_length:
-            raise ValueError(f"text_tokens must be 3 ... {text_max_length} (bos, a word, eos), not {text_tokens}")
         self.spec = dict(kind="builtin", vocab=list(vocab), factor=factor, text_width=text_width,
                          text_layers=text_layers, text_max_length=text_max_length, seed=seed)
-        if text_tokens is not None:  # absent from the specs of weights made before it could be set
-            self.spec["text_tokens"] = text_tokens
         self.autoencoder = PixelAutoencoder(factor)
         self.text_encoder = BuiltinTextEncoder(vocab, width=text_width, layers=text_layers,
-                                               max_length=text_max_length, seed=seed, tokens=text_tokens)
+                                               max_length=text_max_length, seed=seed)
         self.latent_channels, self.downscale = self.autoencoder.latent_channels, factor
         self.joint_attention_dim = self.pooled_projection_dim = text_width
 

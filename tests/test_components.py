@@ -1,5 +1,4 @@
 """The built-in components: lossless pixel autoencoder, file-free tokenizer, frozen contextual text encoder."""
-import pytest
 import torch
 
 from dataset.shapes import GRAMMAR_WORDS
@@ -43,18 +42,3 @@ def test_components_rebuild_from_their_spec_and_saved_state():
     rebuilt.load_trained_state_dict(comp.trained_state_dict())
     caption = ["three pink diamonds"]
     assert torch.equal(comp.encode_prompts(caption)[0], rebuilt.encode_prompts(caption)[0])
-
-
-def test_a_shorter_text_is_the_first_tokens_of_the_full_one_from_the_same_encoder():
-    """--text_tokens: the causal encoder's first tokens and its pooled vector (at eos) do not depend on how much
-    padding follows, so a 16-token text is the 24-token one cut short, from the very same weights."""
-    full, short = BuiltinComponents(GRAMMAR_WORDS), BuiltinComponents(GRAMMAR_WORDS, text_tokens=16)
-    assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), short.state_dict().values()))
-    captions = ["two red circles to the left of a blue square", "a small green star", ""]
-    (tokens, pooled), (tokens_16, pooled_16) = full.encode_prompts(captions), short.encode_prompts(captions)
-    assert tokens.shape[1] == 24 and tokens_16.shape[1] == 16
-    assert torch.equal(tokens[:, :16], tokens_16) and torch.equal(pooled, pooled_16)
-    assert build_components(short.spec).encode_prompts(captions)[0].shape[1] == 16
-    assert "text_tokens" not in full.spec  # weights saved before the setting existed rebuild as they were
-    with pytest.raises(ValueError, match="text_tokens"):
-        BuiltinComponents(GRAMMAR_WORDS, text_tokens=25)

@@ -6,13 +6,12 @@ import pytest
 import torch
 from PIL import Image
 
-from dataset.shapes import GRAMMAR_WORDS, MAX_CAPTION_WORDS, ShapesDataset
+from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
 import trainer.train_pretrain as train_pretrain
 from dataset.samplers import BucketSampler, EpochSampler
-from dataset.training_data import builtin_text_tokens
 from model import precision
 from model.errors import UserError
 from model.weights import load_weights
@@ -100,16 +99,8 @@ def test_folder_dataset_with_bad_files_trains_and_reports_them(tmp_path):
                "--save_dir", str(tmp_path / "ckpt")])
     text = out.stdout + out.stderr
     assert "9 images" in text and "2 skipped" in text and "zero.png" in text and "corrupt.png" in text
-    assert "warning: 1 caption(s) have more than 22 words" in text  # good0's 25: your images get all 24 tokens
+    assert "warning: 1 caption(s) have more than 22 words" in text  # good0's 25, counted
     assert os.path.exists(tmp_path / "out" / "pretrain_tiny.step00000003.safetensors")
-
-
-def test_text_tokens_auto_fits_the_built_in_captions_and_keeps_the_whole_encoder_for_yours():
-    parse = train_pretrain.parse_args
-    assert builtin_text_tokens(parse([])) == 16 >= MAX_CAPTION_WORDS + 2
-    assert builtin_text_tokens(parse(["--data", "builtin:white"])) == 16
-    assert builtin_text_tokens(parse(["--data", "my_images/"])) == 24
-    assert builtin_text_tokens(parse(["--text_tokens", "20"])) == 20
 
 
 @pytest.mark.parametrize("make", ["empty", "missing"])

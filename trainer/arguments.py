@@ -18,7 +18,6 @@ import sys
 
 import torch
 
-from model.components import BUILTIN_TEXT_POSITIONS
 from model.precision import resolve_dtype
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
@@ -35,14 +34,11 @@ class ResumeGroup:
     """An argument group of one resume kind: add_argument as argparse's, recording each argument's kind."""
 
     def __init__(self, parser, kind):
-        self.group, self.kind, self.parser = parser.add_argument_group(RESUME_KINDS[kind]), kind, parser
+        self.group, self.kind, self.kinds = parser.add_argument_group(RESUME_KINDS[kind]), kind, parser.resume_kinds
 
-    def add_argument(self, *names, before=None, **kwargs):
-        """`before`: the value runs had before the argument existed, what a resume file that lacks it ran with."""
+    def add_argument(self, *names, **kwargs):
         action = self.group.add_argument(*names, **kwargs)
-        self.parser.resume_kinds[action.dest] = self.kind
-        if before is not None:
-            self.parser.resume_before[action.dest] = before
+        self.kinds[action.dest] = self.kind
         return action
 
 
@@ -53,17 +49,14 @@ class StageParser(argparse.ArgumentParser):
     def __init__(self, doc):
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.resume_kinds = {}  # argument name -> identity | recipe | length | free
-        self.resume_before = {}  # argument name -> its value in runs saved before it existed
         self.identity, self.recipe = ResumeGroup(self, "identity"), ResumeGroup(self, "recipe")
         self.length, self.free = ResumeGroup(self, "length"), ResumeGroup(self, "free")
 
     def parse_known_args(self, args=None, namespace=None):
-        """The namespace carries the arguments' resume kinds (and values from before) as class attributes
-        (args.resume_kinds, args.resume_before), so they go wherever the arguments go without being among them
-        (vars(args) leaves them out)."""
+        """The namespace carries the arguments' resume kinds as a class attribute (args.resume_kinds), so they go
+        wherever the arguments go without being one of them (vars(args) leaves them out)."""
         if namespace is None:
-            namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds,
-                                                                  "resume_before": self.resume_before})()
+            namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
         return super().parse_known_args(args, namespace)
 
     def error(self, message):
@@ -102,13 +95,6 @@ def bucket_count(text):
     if text != "auto" and not (text.isdigit() and (int(text) == 0 or int(text) % 2 == 1)):
         raise argparse.ArgumentTypeError(f"must be auto, 0 or an odd number, got {text}")
     return text
-
-
-def text_token_count(text):
-    """--text_tokens: auto, or 3 (bos, one word, eos) ... the built-in text encoder's positions."""
-    if text == "auto":
-        return text
-    return checked(int, lambda v: 3 <= v <= BUILTIN_TEXT_POSITIONS, f"auto or 3 ... {BUILTIN_TEXT_POSITIONS}")(text)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -21,18 +21,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.training_data import (  # noqa: E402
-    builtin_text_tokens, check_image_sizes, features_to_train_on, make_components, sample_prompts_for,
-    training_dataset,
+    check_image_sizes, features_to_train_on, make_components, sample_prompts_for, training_dataset,
 )
 from model.checkpoint import manifest_path  # noqa: E402
-from model.components import BUILTIN_TEXT_POSITIONS, transformer_widths  # noqa: E402
+from model.components import transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import check_pipeline_export, export_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
-    non_negative_int, positive_float, positive_int, probability, text_token_count,
+    non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
@@ -47,10 +46,6 @@ def parse_args(argv=None):
                      "model.model_sd3light); its channels and text widths are the components'")
     run.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
                      "square, or the area of the aspect-ratio buckets")
-    run.add_argument("--text_tokens", type=text_token_count, default="auto", before=BUILTIN_TEXT_POSITIONS,
-                     help="tokens the built-in text encoder gives a caption (bos, words, eos, padding), which the "
-                     f"transformer attends over, at most {BUILTIN_TEXT_POSITIONS}; auto = 16 on the built-in shapes "
-                     f"(their captions take up to 12), {BUILTIN_TEXT_POSITIONS} on your images (not used with --base)")
     run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="what the transformer outputs: x = "
                      "the clean latent (cleaner images, steadier shapes in pixel space: the default on the built-in "
                      "components), v = the velocity (SD3's own, what diffusers samples: the default with --base)")
@@ -91,7 +86,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.text_tokens = builtin_text_tokens(args)
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
     run = TrainingRun(args, info, "pretrain", run_name("pretrain", args.preset))
     torch.manual_seed(args.seed)  # the same initial weights on every rank

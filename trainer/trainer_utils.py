@@ -244,10 +244,8 @@ def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=Fa
     if saved_identity != identity:
         raise UserError(f"the resume checkpoint trained {json.dumps(saved_identity)}, this run would train "
                         f"{json.dumps(identity)}: resume from what it started with, or start a fresh run")
-    now, kinds = vars(args), args.resume_kinds
-    # an argument this stage no longer has changes nothing; one it has that the file lacks is compared as the
-    # value runs had before it existed (args.resume_before), else as None
-    saved = {**getattr(args, "resume_before", {}), **state["args"]}
+    saved, now, kinds = state["args"], vars(args), args.resume_kinds
+    # an argument this stage no longer has changes nothing; one it has that the file lacks is compared as None
     changed = sorted(k for k in now if saved.get(k) != now[k] and kinds.get(k) != "free")
 
     def change(k):
