@@ -49,14 +49,14 @@ def training_dataset(args, components, patch_size, log, data=None, num_samples=N
 def warn_long_captions(dataset, components, log):
     """One counted warning for the user captions the built-in text encoder cuts short (it reads the first words
     that fit its tokens; training goes on)."""
-    tokenizer = getattr(getattr(components, "text_encoder", None), "tokenizer", None)
-    if tokenizer is None or not hasattr(dataset, "items"):
+    if not isinstance(components, BuiltinComponents):
         return
-    longest = tokenizer.max_length - 2  # bos and eos
-    count = sum(len(tokenizer.words(caption)) > longest for _, caption in dataset.items)
+    tokenizer = components.text_encoder.tokenizer
+    captions = (caption for _, caption in getattr(dataset, "items", ()))  # user images; the built-in shapes fit
+    count = sum(len(tokenizer.words(caption)) > tokenizer.max_words for caption in captions)
     if count:
-        log(f"warning: {count} caption(s) have more than {longest} words; the built-in text encoder reads their "
-            f"first {longest} (SD3 components read 77 tokens: --base)")
+        log(f"warning: {count} caption(s) have more than {tokenizer.max_words} words; the built-in text encoder "
+            f"reads their first {tokenizer.max_words} (SD3 components read 77 tokens: --base)")
 
 
 def sample_prompts_for(dataset, prompt_file=None, count=8):

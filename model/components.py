@@ -48,6 +48,7 @@ class WordTokenizer:
 
     def __init__(self, vocab, max_length=24, hash_buckets=512):
         self.vocab, self.max_length, self.hash_buckets = list(vocab), max_length, hash_buckets
+        self.max_words = max_length - 2  # bos and eos take two of the tokens; longer captions are cut to these
         self.word_ids = {w: i for i, w in enumerate(self.vocab)}
         self.pad_id = len(self.vocab) + hash_buckets
         self.bos_id, self.eos_id = self.pad_id + 1, self.pad_id + 2
@@ -66,7 +67,7 @@ class WordTokenizer:
         """-> LongTensor [B, max_length]: bos, words (truncated), eos, padding."""
         rows = []
         for caption in captions:
-            words = self.words(caption)[: self.max_length - 2]
+            words = self.words(caption)[: self.max_words]
             ids = [self.bos_id] + [self.word_id(w) for w in words] + [self.eos_id]
             rows.append(ids + [self.pad_id] * (self.max_length - len(ids)))
         return torch.tensor(rows, dtype=torch.long)
