@@ -124,6 +124,8 @@ class PairPool(torch.utils.data.Dataset):
     turn when it found fewer than the slots). Its state (the round and its pairs, uint8 images) goes in the resume
     checkpoint, so a resumed run trains on the same pairs."""
 
+    cacheable = False  # it changes every round: its features are encoded as it trains
+
     def __init__(self, slots, resolution):
         self.slots, self.resolution = slots, resolution
         self.round, self.captions = -1, []

@@ -21,11 +21,12 @@ from model.errors import UserError
 from model.file_io import json_digest
 
 
-def make_components(args, info):
-    """The frozen components of a fresh model: --base's SD3 VAE and text encoders, else the built-in ones."""
+def make_components(args, info, dtype=None):
+    """The frozen components of a fresh model: --base's SD3 VAE and text encoders (held in `dtype`), else the
+    built-in ones."""
     if not args.base:
         return BuiltinComponents(GRAMMAR_WORDS)
-    return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device)
+    return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device, dtype=dtype)
 
 
 def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
@@ -150,7 +151,8 @@ def cached_dataset(args, dataset, components, info, log):
 
     folder = cache_folder(args.cache_dir, dataset, fingerprint, components)
     cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
-                        barrier=dist.barrier if info.world_size > 1 else None, encode_batch=args.batch_size, log=log)
+                        barrier=dist.barrier if info.world_size > 1 else None,
+                        encode_batch=getattr(args, "encode_batch_size", 0) or args.batch_size, log=log)
     warn_truncated(components, info, log)
     cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, args.resolution)  # the images' sizes, as batched
     return cache
@@ -171,15 +173,15 @@ def warn_truncated(components, info, log):
 
 
 def features_to_train_on(args, dataset, components, prompts, info, log):
-    """With the cache on (--cache, auto: with SD3 components), encode `dataset` once and train from its cache; on
-    a GPU the text encoders then move to the CPU, once the sample prompts are encoded. -> what to train on, or
-    None when --cache_only asked for the cache alone."""
-    if not use_cache(args, components):
+    """With the cache on (--cache, auto: with SD3 components), encode `dataset` once and train from its cache; the
+    text encoders are then freed, once the sample prompts are encoded. -> what to train on, or None when
+    --cache_only asked for the cache alone."""
+    if not use_cache(args, components) or not getattr(dataset, "cacheable", True):
         return dataset
     cache = cached_dataset(args, dataset, components, info, log)
     if args.cache_only:
         log(f"--cache_only: the cache of {len(cache)} samples is ready in {cache.folder}")
         return None
-    if info.device.type == "cuda" and hasattr(components, "offload_text_encoders"):
-        components.offload_text_encoders(prompts)  # GPU memory for the transformer instead
+    if hasattr(components, "free_text_encoders"):
+        components.free_text_encoders(prompts)  # their memory is the transformer's now
     return cache

@@ -15,12 +15,14 @@ from model.rectified_flow import euler_sample
 from model.weights import load_weights, resolve_lora, sampling_name, weights_identity
 
 
-def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction, renoise=False):
+def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction, renoise=False,
+                  autocast=None):
     """Generate one image per prompt with fixed noise (prompt i's noise seeded with seed + i, or with seed[i] for
     a list of seeds) -> images in [-1, 1] on CPU. `prediction` is what the model outputs, "x" or "v" (its weights
     record says which). `renoise`: sample as a few-step distilled generator does, each step's x0 noised afresh
     (each prompt's fresh noise continues its own seeded stream, as diffusers' pipeline draws it from its
-    generator)."""
+    generator). `autocast`: the dtype the transformer computes in (a run's bf16, for weights held in bf16), None
+    for plain fp32. The latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
     was_training = model.training
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
@@ -31,10 +33,11 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
     def fresh_noise():
         return torch.stack([torch.randn(shape, generator=stream) for stream in streams]).to(device)
 
-    latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), steps=steps, cfg=cfg,
-                           shift=shift, prediction=prediction, fresh_noise=fresh_noise if renoise else None)
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), steps=steps, cfg=cfg,
+                               shift=shift, prediction=prediction, fresh_noise=fresh_noise if renoise else None)
     model.train(was_training)
-    return components.decode_latents(latents).float().cpu()
+    return torch.cat([components.decode_latents(latent[None]).float().cpu() for latent in latents.float()])
 
 
 def sampling_settings(record, steps=None, cfg=None, shift=None):

@@ -192,14 +192,14 @@ def check_sd3_folder(path):
 
 class SD3Components(nn.Module):
     """The SD3 / SD3.5 VAE and text encoders from a local diffusers folder, frozen. They run without gradients,
-    in bf16 on a GPU (fp32 on a CPU).
+    in `dtype` (a run's --frozen_dtype; by default bf16 on a GPU, fp32 on a CPU).
 
     Text, as StableDiffusion3Pipeline.encode_prompt forms it: CLIP-L and CLIP-G each take 77 tokens; their
     penultimate hidden states are joined on the feature axis and zero-padded to T5's width, and T5's sequence
     (t5_max_length tokens; zeros without T5) follows on the token axis. Pooled = the two CLIP projections joined.
     Caption dropout zeroes each encoder's part independently, as SD3 was trained."""
 
-    def __init__(self, path, t5_max_length=77, device="cpu"):
+    def __init__(self, path, t5_max_length=77, device="cpu", dtype=None):
         super().__init__()
         from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel
@@ -207,10 +207,10 @@ class SD3Components(nn.Module):
         path = os.path.abspath(path)
         has_t5 = check_sd3_folder(path)
         device = torch.device(device)
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
         self.truncated_captions = 0  # captions longer than CLIP's 77 tokens, counted as they are encoded
-        self.prompt_memo = {}  # prompts -> (tokens, pooled), encoded before the text encoders went to the CPU
+        self.prompt_memo = {}  # prompts -> (tokens, pooled), encoded before the text encoders were freed
         self.path, self.t5_max_length = path, int(t5_max_length)
 
         quiet_hub_libraries()
@@ -258,7 +258,7 @@ class SD3Components(nn.Module):
         """What the cached features depend on: every file of the parts used (name, size, mtime), the T5 length and
         the dtype. A changed or replaced VAE or text encoder gives another identity, and the cache is rebuilt."""
         files = []
-        for part in SD3_REQUIRED + (SD3_OPTIONAL if self.t5 is not None else ()):
+        for part in SD3_REQUIRED + (SD3_OPTIONAL if "t5" in self.text_encoders else ()):
             for root, _, names in sorted(os.walk(os.path.join(self.path, part))):
                 for name in sorted(names):
                     stat = os.stat(os.path.join(root, name))
@@ -288,6 +288,9 @@ class SD3Components(nn.Module):
     @torch.no_grad()
     def encode_text(self, captions):
         captions = list(captions)
+        if self.clip_l is None:
+            raise UserError("the text encoders were freed once training read the cache: only the sample grids' "
+                            "prompts are kept encoded")
         features = {}
         clip_limit = self.tokenizers["clip_l"].model_max_length
         self.truncated_captions += sum(len(ids) > clip_limit for ids in self.tokenizers["clip_l"](captions).input_ids)
@@ -304,13 +307,11 @@ class SD3Components(nn.Module):
             features["t5_tokens"] = self.t5(ids)[0].to(self.device)
         return features
 
-    def offload_text_encoders(self, prompts):
+    def free_text_encoders(self, prompts):
         """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now and
-        move the encoders (T5-XXL alone is 9.5 GB in bf16) to the CPU, where any other prompt is still encoded."""
+        free the encoders (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
         self.prompt_memo[tuple(prompts)] = self.condition(self.encode_text(prompts))
-        for encoder in (self.clip_l, self.clip_g, self.t5):
-            if encoder is not None:
-                encoder.to("cpu")
+        self.clip_l = self.clip_g = self.t5 = None
 
     @torch.no_grad()
     def encode(self, images, captions):
@@ -331,7 +332,7 @@ class SD3Components(nn.Module):
 
         clip = torch.cat([part("clip_l", "tokens", 0), part("clip_g", "tokens", 1)], dim=-1)
         clip = F.pad(clip, (0, self.joint_attention_dim - clip.shape[-1]))
-        if self.t5 is not None:
+        if "t5_tokens" in features:
             t5 = part("t5", "tokens", 2)
         else:
             t5 = clip.new_zeros(clip.shape[0], self.t5_max_length, self.joint_attention_dim)
@@ -375,10 +376,11 @@ def check_widths(components, config, where):
         raise ComponentsError(f"{where} does not fit the components ({components.spec['kind']}): " + ", ".join(bad))
 
 
-def build_components(spec, device="cpu"):
-    """Rebuild components from the spec saved in a weights config."""
+def build_components(spec, device="cpu", dtype=None):
+    """Rebuild components from the spec saved in a weights config; `dtype`: what SD3 components are held in
+    (None: bf16 on a GPU, fp32 on a CPU). The built-in ones are tiny and stay fp32."""
     if spec["kind"] == "sd3":
-        return SD3Components(spec["path"], t5_max_length=spec["t5_max_length"], device=device)
+        return SD3Components(spec["path"], t5_max_length=spec["t5_max_length"], device=device, dtype=dtype)
     if spec["kind"] != "builtin":
         raise ValueError(f"unknown components kind {spec['kind']!r}")
     return BuiltinComponents(**{k: v for k, v in spec.items() if k != "kind"}).to(device)  # spec = constructor args

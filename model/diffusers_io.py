@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 
-from model.checkpoint import load_safetensors
 from model.file_io import atomic_path, atomic_write_text, sha256_of
 
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -30,14 +29,6 @@ def diffusers_weight_files(transformer_dir):
             names = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(transformer_dir, name) for name in names]
     return [os.path.join(transformer_dir, DIFFUSERS_WEIGHTS)]
-
-
-def read_diffusers_state(transformer_dir):
-    """Every tensor of a transformer folder, from its one file or all its shards."""
-    state = {}
-    for path in diffusers_weight_files(transformer_dir):
-        state.update(load_safetensors(path))
-    return state
 
 
 def pipeline_shift(pipeline_dir):

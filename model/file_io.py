@@ -69,9 +69,14 @@ def file_entry(path):
 
 
 def tensors_equal(a, b):
-    """Same dtype, shape and values (NaNs in the same places count as equal)."""
+    """Same dtype, shape and values (NaNs in the same places count as equal). A tensor subclass made of inner
+    tensors (torchao's 8-bit optimizer state: codes and scales) compares by its inner tensors."""
     if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if hasattr(a, "__tensor_flatten__") and not isinstance(a, torch.nn.Parameter):
+        names, context = a.__tensor_flatten__()
+        return type(b) is type(a) and b.__tensor_flatten__() == (names, context) and \
+            all(tensors_equal(getattr(a, name), getattr(b, name)) for name in names)
     if a.is_floating_point():
         nan = a.isnan()
         return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from model.errors import UserError
+
 CHECK_WIDTH, CHECK_ROWS, CHECK_ROUNDS = 192, 1024, 9  # a tiny block's MLP on a batch's tokens
 BF16_MARGIN = 0.8  # bf16 is taken when its step takes at most this fraction of fp32's
 
@@ -56,3 +58,53 @@ def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
         return "fp32", "fast with several processes on a CPU"
     speedup = cpu_bf16_speedup()
     return ("bf16" if speedup >= 1 / BF16_MARGIN else "fp32"), f"fast: bf16 ran at {speedup:.2f}x fp32's speed here"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The networks that do not train
+
+FROZEN_DTYPES = ("auto", "bf16", "fp32", "int8")
+
+
+def resolve_frozen_dtype(frozen, dtype_asked, device, sd3_components):
+    """--frozen_dtype as what the frozen networks (a LoRA base, the DPO reference, the distillation teacher, the
+    VAE and text encoders) are held in -> ("bf16", "fp32" or "int8", why). auto: bf16 with --base's SD3
+    components or on a GPU (half the memory, and autocast no longer casts them at every use), unless --dtype fp32
+    was asked for; fp32 for the built-in components on a CPU, as before."""
+    if frozen != "auto":
+        return frozen, "as asked"
+    if dtype_asked == "fp32":
+        return "fp32", "--dtype fp32"
+    if sd3_components or device.type == "cuda":
+        return "bf16", "SD3 components" if sd3_components else "on a GPU"
+    return "fp32", "the built-in components on a CPU"
+
+
+def torch_dtype(name):
+    """'bf16' / 'fp32' -> the torch dtype the weights are held in (int8 weights are read as bf16 first)."""
+    return torch.float32 if name == "fp32" else torch.bfloat16
+
+
+def int8_weights(module):
+    """Weight-only int8 (torchao) for every frozen nn.Linear in `module` that is not already quantised: a LoRA's
+    base layers, never its adapters. Activations stay bf16; the weight is 1 byte a parameter."""
+    quantization = import_torchao("--frozen_dtype int8").quantization
+
+    def frozen_linear(layer, name):
+        return isinstance(layer, torch.nn.Linear) and type(layer.weight) is torch.nn.Parameter and \
+            not layer.weight.requires_grad and not name.endswith(("lora_A", "lora_B"))
+
+    quantization.quantize_(module, quantization.Int8WeightOnlyConfig(), filter_fn=frozen_linear)
+
+
+def import_torchao(what):
+    """torchao (int8 weights, 8-bit AdamW), or a one-line error naming the fix where it is not installed."""
+    import importlib
+
+    try:
+        torchao = importlib.import_module("torchao")
+        importlib.import_module("torchao.quantization")
+        importlib.import_module("torchao.optim")
+    except ImportError:
+        raise UserError(f"{what} needs torchao: pip install -r requirements.txt (or pip install torchao)") from None
+    return torchao

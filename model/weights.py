@@ -8,7 +8,10 @@ from our manifests or from diffusers folders. LoRA files are found here by name 
     out/pretrain_tiny/transformer/                        the same transformer as a diffusers folder (v-prediction)
     out/lora/lora_demo_tiny.safetensors                   a LoRA, in diffusers' LoRA format
 """
+import json
 import os
+
+import torch
 
 from model.checkpoint import (
     checkpoint_file, load_safetensors, manifest_path, read_manifest, save_checkpoint, stem_of, step_file,
@@ -16,12 +19,13 @@ from model.checkpoint import (
 from model.components import ComponentsError, build_components, check_widths
 from model.diffusers_io import (
     DIFFUSERS_WEIGHTS, diffusers_transformer_dir, diffusers_weight_files, export_diffusers, pipeline_shift,
-    read_diffusers_state, scheduler_settings,
+    scheduler_settings,
 )
 from model.errors import UserError
 from model.model_lora import is_lora_file
 from model.file_io import json_digest, sha256_of
-from model.model_sd3light import PRESETS, SD3Light, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
+from model.loading import TensorFiles, fill, meta_model
+from model.model_sd3light import PRESETS, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")
@@ -109,50 +113,43 @@ def resolve_weights(name_or_path, out_dir):
     return stem
 
 
-def components_for(spec, base, device, where):
+def components_for(spec, base, device, where, dtype=None):
     """The components a weights record names; `base` replaces the SD3 folder it names (moved, or another copy)."""
     if base:
         if spec["kind"] != "sd3":
             raise UserError(f"--base {base}: {where} was trained on the built-in components, not SD3 ones")
         spec = {**spec, "path": os.path.abspath(base)}
     try:
-        return build_components(spec, device)
+        return build_components(spec, device, dtype)
     except ComponentsError as e:
         raise UserError(f"{e} (the components of {where})") from None
 
 
-def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu", base=None):
-    """-> (SD3Light in fp32, components, record). Our weights: files checked against their manifest; strict: every
-    key fits. Or a diffusers folder (a pipeline, or just its transformer/). `base`: the SD3 folder to take the
-    VAE and text encoders from, instead of the one the weights record names."""
+def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
+    """Where trained weights are and what they are, reading only their manifest or config: -> a record with
+    "transformer" (the config), "components" (their spec; `base` replaces the SD3 folder), "weight_files" and
+    "manifest" (where they were read from). Our weights (files checked against their manifest) or a diffusers
+    folder (a pipeline, or just its transformer/)."""
     if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
-        return load_diffusers_weights(name_or_path, device, base)
+        return diffusers_source(name_or_path, base)
     stem = resolve_weights(name_or_path, out_dir)
     record = read_manifest(stem, "weights")
     record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
-    model = SD3Light(SD3LightConfig.from_dict(record["transformer"]))
-    components = components_for(record["components"], base, device, manifest_path(stem))
-    check_widths(components, model.config, manifest_path(stem))
-    try:
-        model.load_state_dict({k: v.float() for k, v in
-                               load_safetensors(checkpoint_file(stem, record, ".safetensors")).items()})
-        components_file = checkpoint_file(stem, record, ".components.safetensors")
-        if os.path.basename(components_file) in record["files"]:
-            components.load_trained_state_dict(load_safetensors(components_file))
-    except (StateDictMismatchError, RuntimeError) as e:
-        raise UserError(f"{manifest_path(stem)}: {str(e).splitlines()[0][:400]}") from None
-    record["manifest"] = manifest_path(stem)  # where it was read from (not part of the file)
-    return model.to(device).eval(), components.to(device), record
+    components_file = checkpoint_file(stem, record, ".components.safetensors")
+    record.update(manifest=manifest_path(stem), weight_files=[checkpoint_file(stem, record, ".safetensors")],
+                  components_file=components_file if os.path.basename(components_file) in record["files"] else None)
+    if base:
+        if record["components"]["kind"] != "sd3":
+            raise UserError(f"--base {base}: {manifest_path(stem)} was trained on the built-in components, not SD3 "
+                            "ones")
+        record["components"] = {**record["components"], "path": os.path.abspath(base)}
+    return record
 
 
-def load_diffusers_weights(folder, device="cpu", base=None):
-    """A diffusers SD3 transformer (its folder, or a pipeline folder holding it) -> (SD3Light in fp32, components,
-    record). The components come from `base`, else from the pipeline folder itself. Published SD3 transformers
-    predict the velocity."""
+def diffusers_source(folder, base=None):
+    """weights_source for a diffusers SD3 transformer (its folder, or a pipeline folder holding it). The components
+    come from `base`, else from the pipeline folder itself. Published SD3 transformers predict the velocity."""
     transformer_dir = diffusers_transformer_dir(folder)
-    if transformer_dir is None:
-        raise UserError(f"{folder} holds no diffusers transformer (transformer/config.json and "
-                        f"{DIFFUSERS_WEIGHTS} or its shards)")
     try:
         config = SD3LightConfig.load_json(transformer_dir)
     except (OSError, ValueError) as e:
@@ -161,42 +158,82 @@ def load_diffusers_weights(folder, device="cpu", base=None):
     if preset is None:
         raise UserError(f"the transformer in {transformer_dir} matches no preset (layers {config.num_layers}, width "
                         f"{config.inner_dim}): add its config to PRESETS in model/model_sd3light.py")
-    # the components first: a wrong --base is a one-line error before gigabytes of weights are read
     pipeline = os.path.dirname(os.path.abspath(transformer_dir))  # a transformer folder's parent may be a pipeline
     components_path = base or (pipeline if os.path.isdir(os.path.join(pipeline, "vae")) else None)
     if components_path is None:
         raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
                         "encoders")
-    components = components_for({"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
-                                None, device, folder)
-    check_widths(components, config, transformer_dir)
-    model = SD3Light(config)
+    return {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
+            "resolution": config.sample_size * vae_downscale(components_path), "transformer": config.to_dict(),
+            "components": {"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
+            "sampling": {"steps": 28, "cfg": 7.0, "shift": pipeline_shift(pipeline)},
+            "manifest": os.path.abspath(transformer_dir), "weight_files": diffusers_weight_files(transformer_dir),
+            "components_file": None}
+
+
+def vae_downscale(folder):
+    """How many pixels a latent of the SD3 folder's VAE spans per side (8 for SD3's), from its config alone."""
     try:
-        model.load_state_dict({k: v.float() for k, v in read_diffusers_state(transformer_dir).items()})
-    except (OSError, StateDictMismatchError, RuntimeError) as e:
-        raise UserError(f"{transformer_dir}: {str(e).splitlines()[0][:400]}") from None
-    record = {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
-              "resolution": config.sample_size * components.downscale, "transformer": config.to_dict(),
-              "components": components.spec, "sampling": {"steps": 28, "cfg": 7.0, "shift": pipeline_shift(pipeline)},
-              "manifest": os.path.abspath(transformer_dir), "weight_files": diffusers_weight_files(transformer_dir)}
-    return model.to(device).eval(), components.to(device), record
+        with open(os.path.join(folder, "vae", "config.json"), encoding="utf-8") as f:
+            return 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+    except (OSError, ValueError, KeyError):
+        return 8
 
 
-def load_start_weights(from_weight, preset, prediction, out_dir, base=None):
-    """The weights a fine-tune starts from: `from_weight` is a stage name in out_dir ('pretrain' means
-    pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of `preset`,
-    and predict `prediction` if it is given (None: whatever they predict).
-    -> (model in fp32, components, record with "manifest": where they were read from)."""
+def load_components(record, device="cpu", dtype=None):
+    """The components a weights record names, checked against its transformer's widths, with their trained parts
+    (the built-in text encoder) read back."""
+    components = components_for(record["components"], None, device, record["manifest"], dtype)
+    check_widths(components, SD3LightConfig.from_dict(record["transformer"]), record["manifest"])
+    if record["components_file"]:
+        try:
+            components.load_trained_state_dict(load_safetensors(record["components_file"]))
+        except (ValueError, RuntimeError) as e:
+            raise UserError(f"{record['manifest']}: {str(e).splitlines()[0][:400]}") from None
+    return components
+
+
+def load_transformer(record, dtype=torch.float32, device="cpu", meta=False, after_block=None, frozen=False):
+    """The transformer of a weights record, built on the meta device and filled tensor by tensor from its files
+    in `dtype` on `device` (model/loading.py: no random initialisation, no second copy). Strict: every key fits.
+    `meta`: leave it on the meta device (a sharded run's other ranks: rank 0's weights fill their shards).
+    `after_block`: see loading.fill (int8: quantise block by block). `frozen`: no parameter requires grad."""
+    model = meta_model(SD3LightConfig.from_dict(record["transformer"])).requires_grad_(not frozen)
+    if meta:
+        return model
+    try:
+        with TensorFiles(record["weight_files"]) as files:
+            return fill(model, files, dtype, device, after_block)
+    except (OSError, ValueError, StateDictMismatchError) as e:
+        raise UserError(f"{record['manifest']}: {str(e).splitlines()[0][:400]}") from None
+
+
+def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu", base=None, dtype=torch.float32,
+                 components_dtype=None):
+    """-> (SD3Light in `dtype`, components, record): weights_source, then the components (a wrong --base is one
+    line before gigabytes of weights are read), then the transformer."""
+    record = weights_source(name_or_path, out_dir, base)
+    components = load_components(record, device, components_dtype)
+    return load_transformer(record, dtype, device).eval(), components, record
+
+
+def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
+    """The weights a fine-tune starts from (weights_source): `from_weight` is a stage name in out_dir ('pretrain'
+    means pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of
+    `preset`, and predict `prediction` if it is given (None: whatever they predict)."""
     if is_lora_file(from_weight):
         raise UserError(f"--from_weight {from_weight} is a LoRA file (adapters, not whole weights): pass the weights "
                         "it was trained on, and apply it when sampling (eval/eval_sample.py --lora)")
     if from_weight == "base":
         if not base:
             raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
-        model, components, record = load_diffusers_weights(base, base=base)
+        if not diffusers_transformer_dir(base):
+            raise UserError(f"{base} holds no diffusers transformer (transformer/config.json and "
+                            f"{DIFFUSERS_WEIGHTS} or its shards)")
+        record = diffusers_source(base, base)
     else:
         source = run_name(from_weight, preset) if from_weight in WEIGHT_STAGES else from_weight
-        model, components, record = load_weights(source, out_dir, base=base)
+        record = weights_source(source, out_dir, base=base)
     where = record["manifest"]
     if record["preset"] != preset:
         raise UserError(f"--from_weight {where} holds '{record['preset']}' weights, not --preset {preset}: "
@@ -204,7 +241,7 @@ def load_start_weights(from_weight, preset, prediction, out_dir, base=None):
     if prediction not in (None, record["prediction"]):
         raise UserError(f"--from_weight {where} predicts {record['prediction']}, not --prediction {prediction}: "
                         "a fine-tune keeps its weights' prediction (leave --prediction unset)")
-    return model, components, record
+    return record
 
 
 def weights_identity(record, out_dir):
@@ -213,7 +250,7 @@ def weights_identity(record, out_dir):
     manifest = os.path.abspath(record["manifest"])
     if os.path.dirname(manifest) == os.path.abspath(out_dir):
         manifest = os.path.basename(manifest)
-    if "weight_files" in record:  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
+    if record["stage"] == "diffusers":  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
         return {"weights": manifest, "step": record["step"],
                 "sha256": json_digest([sha256_of(path) for path in record["weight_files"]])}
     transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))

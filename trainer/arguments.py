@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from model.precision import resolve_dtype
+from model.precision import FROZEN_DTYPES, resolve_dtype
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
@@ -110,6 +110,10 @@ def add_plumbing_args(parser, data="builtin"):
     a = parser.recipe.add_argument
     a("--base", default=None, help="a local diffusers SD3 / SD3.5 folder: its VAE and text encoders (T5 optional) "
       "replace the built-in components; `--from_weight base` starts from its transformer")
+    a("--frozen_dtype", default="auto", choices=list(FROZEN_DTYPES), help="what the networks that do not train (a "
+      "LoRA base, a teacher, a reference, the VAE and text encoders) are held in; auto = bf16 with --base or on a "
+      "GPU, else fp32; int8 = weight-only int8 (torchao) for a LoRA base, to fit SD3.5-Large on a 16 GB card. A "
+      "transformer held in bf16 or int8 computes under bf16 autocast")
     a("--t5_max_length", type=positive_int, default=77, help="T5 tokens of the text (SD3 components); diffusers' "
       "pipeline default is 256: pass max_sequence_length to match")
     a("--buckets", type=bucket_count, default="auto", help="aspect-ratio buckets for your images: an odd count, "
@@ -137,6 +141,10 @@ def add_plumbing_args(parser, data="builtin"):
       "fp32 on a CPU; fast = bf16 on a GPU, and on a CPU where a quick check at start-up finds it faster (native "
       "bf16: AVX512-BF16, AMX) in the stages that allow it (pretrain, SFT, LoRA), else fp32")
     a("--gradient_checkpointing", type=switch, default=0, help="1 = recompute each block in backward (less memory)")
+    a("--encode_batch_size", type=positive_int, default=4, help="images (and captions) the VAE and text encoders "
+      "take at once while the cache is built, before the transformer is loaded")
+    a("--ema_device", default="auto", choices=["auto", "cpu"], help="cpu = keep the EMA of the weights in host "
+      "memory instead of the GPU's (4 bytes a parameter off the GPU; its update copies the weights over)")
     a("--compile", type=switch, default=0, help="1 = torch.compile each transformer block (faster steps on a GPU, "
       "after a first step that compiles)")
     a("--fsdp", type=switch, default=0, help="1 = shard weights, gradients and AdamW state over the processes "

@@ -15,7 +15,6 @@ exported weights.
 import itertools
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.errors import UserError
@@ -38,23 +37,31 @@ def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
         return DistributedDataParallel(model) if info.world_size > 1 and trains else model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    same_start(model, info)
+    # Every rank starts from rank 0's weights (what DDP does when it wraps): FSDP keeps each rank's own slice, so a
+    # rank that drew other initial weights would silently train a patchwork. The other ranks may hold nothing
+    # (the meta device, trainer/startup.py): they are sharded first, then filled from rank 0's whole tensors.
+    whole = model.state_dict() if info.is_main and info.world_size > 1 else None
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     # reshard_after_forward on the root too: after a no-grad forward (sample grids) no whole copy lingers
     for block in blocks:
         fully_shard(block, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
+    if info.world_size > 1:
+        from_rank_0(model, whole, info)
     return model
 
 
 @torch.no_grad()
-def same_start(model, info):
-    """Every rank starts from rank 0's weights (what DDP does when it wraps): FSDP keeps each rank's own slice of
-    its own copy, so a rank that drew other initial weights would silently train a patchwork."""
-    if info.world_size > 1:
-        for tensor in itertools.chain(model.parameters(), model.buffers()):
-            dist.broadcast(tensor.data, 0)
+def from_rank_0(model, whole, info):
+    """Fill a sharded model's shards (and its buffers) from rank 0's whole state dict `whole` (None elsewhere),
+    tensor by tensor: no rank but 0 ever holds more than its shards and one whole tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to_empty(device=info.device)
+    set_model_state_dict(model, whole or {}, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=True))
 
 
 def gathered(state, info):

@@ -121,7 +121,7 @@ def pairs_per_prompt(images_per_prompt, choice):
 
 @torch.no_grad()
 def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
-               choice="best_worst", batch_size=256):
+               choice="best_worst", batch_size=256, autocast=None):
     """Sample `images_per_prompt` images of each spec's caption (spec k's noise seeded from seeds[k] on) and score
     them -> [[(caption, chosen uint8, rejected uint8), ...] per spec] (empty: all its images scored alike), and
     [(mean score, fraction right) per spec]. `choice`: "best_worst" = a prompt's best and worst image, "all" =
@@ -130,7 +130,8 @@ def draw_round(model, components, specs, images_per_prompt, sampling, seeds, res
     noise_seeds = [seed + j for seed in seeds for j in range(images_per_prompt)]
     images = np.concatenate([to_uint8(sample_images(
         model, components, captions[i:i + batch_size], seed=noise_seeds[i:i + batch_size], **sampling,
-        resolution=resolution, device=device, prediction=prediction)) for i in range(0, len(captions), batch_size)])
+        resolution=resolution, device=device, prediction=prediction, autocast=autocast))
+        for i in range(0, len(captions), batch_size)])
     pairs, stats = [], []
     for k, spec in enumerate(specs):
         own = images[k * images_per_prompt:(k + 1) * images_per_prompt]
@@ -152,7 +153,7 @@ def refresh_pool(pool, round_, model, components, info, args, log, avoid):
     seed = (args.seed * 100003 + round_) * 1000
     pairs, stats = draw_round(model, components, [specs[k] for k in mine], args.pair_images, sampling,
                               [seed + k * args.pair_images for k in mine], args.resolution, args.prediction,
-                              info.device, args.pair_choice)
+                              info.device, args.pair_choice, autocast=autocast_dtype(args.dtype, info.device))
     drawn = dict(zip(mine, zip(pairs, stats)))
     if info.world_size > 1:
         gathered = [None] * info.world_size

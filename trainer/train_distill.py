@@ -21,23 +21,17 @@ teacher's weights sampled in 4 steps), metrics in out/distill_<preset>_metrics.j
 SIGTERM or Ctrl-C; continue with --from_resume 1.
 """
 import contextlib
-import copy
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import (  # noqa: E402
-    check_image_sizes, features_to_train_on, sample_prompts_for, training_dataset,
-)
 from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import (  # noqa: E402
-    check_pipeline_export, export_weights, load_start_weights, run_name, weights_identity,
-)
+from model.weights import export_weights, run_name, start_weights_source, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, non_negative_float, non_negative_int,
     positive_float, positive_int, probability,
@@ -46,6 +40,7 @@ from trainer.distillation import (  # noqa: E402
     GANHead, Networks, distillation_losses, generator_sigmas, generator_step,
 )
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.startup import start_up  # noqa: E402
 from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
@@ -112,10 +107,8 @@ def main(argv=None):
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
     torch.manual_seed(args.seed)
 
-    # The teacher (its prediction, sampler and components are kept); the generator samples in --gen_steps
-    teacher, components, start = load_start_weights(args.from_weight, args.preset, args.prediction, args.out_dir,
-                                                    args.base)
-    args.prediction = start["prediction"]
+    # The teacher's record (its prediction, sampler and components are kept); the generator samples in --gen_steps
+    start = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     args.gen_shift = args.gen_shift or start["sampling"]["shift"]
     args.score_shift = args.score_shift or args.gen_shift
     args.real_guidance = start["sampling"]["cfg"] if args.real_guidance is None else args.real_guidance
@@ -125,25 +118,18 @@ def main(argv=None):
     # (bf16 was not measured here)
     run = TrainingRun(args, info, "distill", run_name("distill", args.preset),
                       sampling={"steps": args.gen_steps, "cfg": 1.0, "shift": args.gen_shift, "renoise": True},
-                      cpu_bf16=False)
+                      cpu_bf16=False, frozen_transformer=True)
     low, high = args.guidance_interval
     run.log(f"teacher {start['manifest']} (step {start['step']}, predicts {start['prediction']}, guidance "
             f"{args.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
-    dataset = training_dataset(args, components, teacher.config.patch_size, run.log)
-    prompts = sample_prompts_for(dataset, args.sample_prompts)
-    generator, fake = copy.deepcopy(teacher), copy.deepcopy(teacher)
-    teacher.requires_grad_(False)
-    for net in (teacher, generator, fake):
-        net.gradient_checkpointing = bool(args.gradient_checkpointing)
-        net.to(info.device).train()
-    teacher.eval()
-    components.to(info.device)
-    check_image_sizes(args.resolution, dataset, generator, components)
-    if args.export_pipeline:
-        check_pipeline_export(components, args.prediction)
-    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
-    if dataset is None:  # --cache_only: the cache is built
+    # The components, the data and its cache, then three copies of the weights: the teacher frozen (in
+    # --frozen_dtype), the generator and the fake score trained
+    nets = start_up(args, info, run, {"teacher": "frozen", "generator": "trained", "fake_score": "trained"})
+    if nets.dataset is None:  # --cache_only: the cache is built
         return
+    teacher, generator, fake = nets.nets["teacher"], nets.nets["generator"], nets.nets["fake_score"]
+    components, dataset, prompts = nets.components, nets.dataset, nets.prompts
+    teacher.eval()
 
     # DDP or FSDP for each network (the teacher sharded, not wrapped); AdamW for the generator, the fake score and
     # the GAN head; the generator's EMA is what is exported
@@ -157,7 +143,7 @@ def main(argv=None):
     optimizers = {name: torch.optim.AdamW(net.parameters(), lr=args.learning_rate, betas=(0.9, 0.999),
                                           weight_decay=args.weight_decay, fused=True)
                   for name, net in trained.items() if net is not None}
-    ema = EMA(generator, args.ema_decay) if args.ema_decay > 0 else None
+    ema = EMA(generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     stem, teacher_identity = os.path.join(args.out_dir, run.name), weights_identity(start, args.out_dir)
 
     def export(step, weights):  # the generator's EMA (else its weights), recording how it samples

@@ -23,7 +23,6 @@ the current pairs) in checkpoints/.
 Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 """
 import contextlib
-import copy
 import os
 import re
 import sys
@@ -32,7 +31,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
-from dataset.training_data import check_image_sizes, features_to_train_on  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
@@ -40,13 +38,14 @@ from model.model_lora import TARGET_GROUPS, LoRAWeights, apply_lora, save_lora  
 from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import (  # noqa: E402
-    check_pipeline_export, export_weights, load_start_weights, lora_file, lora_run_name, run_name, weights_identity,
+    export_weights, lora_file, lora_run_name, run_name, start_weights_source, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
     non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.startup import start_up  # noqa: E402
 from trainer.preference import (  # noqa: E402
     adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
 )
@@ -112,14 +111,15 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def preference_data(args, components, start, log):
-    """The pairs: a pool the run fills from its own samples (--pairs builtin), or a manifest's."""
+def preference_data(args, components, log):
+    """The pairs: a pool the run fills from its own samples (--pairs builtin), or a manifest's (cached when the
+    cache is on)."""
     if args.pairs != "builtin":
         return PreferencePairs(args.pairs, args.resolution, log=log)
     if components.spec["kind"] != "builtin":
         raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
                         "components: with --base, pass a .jsonl of pairs")
-    sampling = start["sampling"]
+    sampling = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)["sampling"]
     args.pair_sample_cfg = sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg
     args.pair_sample_shift = args.pair_sample_shift or sampling["shift"]
     args.num_workers = 0  # the pool changes in place each round: no worker may keep a stale copy
@@ -134,36 +134,30 @@ def main(argv=None):
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     # The loss is beta times a difference of error differences, as small as bf16's rounding of the prediction: on a
     # CPU, --dtype fast keeps fp32 (measured: bf16 tuned to 0.240 held-out, fp32 to 0.272, for 6% less time)
-    run = TrainingRun(args, info, "dpo", name, cpu_bf16=False)
+    run = TrainingRun(args, info, "dpo", name, cpu_bf16=False, frozen_transformer=True)
     torch.manual_seed(args.seed)
 
-    # The policy and the frozen reference: a copy of the starting weights, or with adapters, the same model with
-    # them off
-    model, components, start = load_start_weights(args.from_weight, args.preset, args.prediction, args.out_dir,
-                                                  args.base)
-    args.prediction = start["prediction"]
-    pairs = preference_data(args, components, start, run.log)
-    reference_model = None if args.lora_rank else copy.deepcopy(model).requires_grad_(False)
-    if args.lora_rank:
+    # The components, the pairs (and their cache), then the policy and the frozen reference (in --frozen_dtype): a
+    # copy of the starting weights, or with adapters, the same model with them off
+    def adapt(model):
         try:
             apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
         except ValueError as e:
             raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    run.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{start['manifest']} (step "
-            f"{start['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
-            f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
-    for net in filter(None, (model, reference_model)):
-        net.gradient_checkpointing = bool(args.gradient_checkpointing)
-        net.to(info.device).train()
-    components.to(info.device)
-    check_image_sizes(args.resolution, pairs, model, components)
-    if args.export_pipeline:
-        check_pipeline_export(components, args.prediction)
-    prompts = pairs.sample_prompts()
-    dataset = pairs if isinstance(pairs, PairPool) else \
-        features_to_train_on(args, pairs, components, prompts, info, run.log)
-    if dataset is None:  # --cache_only: the cache is built
+
+    def data(args, components, config, log):
+        pairs = preference_data(args, components, log)
+        return pairs, pairs.sample_prompts()
+
+    roles = {"model": "adapted"} if args.lora_rank else {"model": "trained", "reference": "frozen"}
+    start = start_up(args, info, run, roles, data=data, adapt=adapt)
+    if start.dataset is None:  # --cache_only: the cache is built
         return
+    model, reference_model = start.nets["model"], start.nets.get("reference")
+    components, dataset, prompts = start.components, start.dataset, start.prompts
+    run.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{start.record['manifest']} (step "
+            f"{start.record['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
+            f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
 
     # DDP or FSDP (the reference sharded, not wrapped); AdamW on what trains: all weights, or the adapters
     precision = autocast_dtype(args.dtype, info.device)
@@ -173,8 +167,8 @@ def main(argv=None):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     trained = LoRAWeights(model) if args.lora_rank else model
-    ema = EMA(trained, args.ema_decay) if args.ema_decay > 0 else None
-    start_identity = weights_identity(start, args.out_dir)
+    ema = EMA(trained, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    start_identity = weights_identity(start.record, args.out_dir)
     output = lora_file(args.out_dir, args.lora_name, args.preset) if args.lora_rank else \
         manifest_path(os.path.join(args.out_dir, run.name))
 

@@ -20,20 +20,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import (  # noqa: E402
-    check_image_sizes, features_to_train_on, sample_prompts_for, training_dataset,
-)
 from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import check_pipeline_export, export_weights, load_start_weights, run_name  # noqa: E402
+from model.precision import import_torchao  # noqa: E402
+from model.weights import export_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
     non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.startup import start_up  # noqa: E402
 from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
@@ -52,6 +51,8 @@ def parse_args(argv=None):
     recipe.add_argument("--num_samples", type=positive_int, default=8000, help="size of the built-in dataset")
     recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
+    recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="adamw8bit = torchao's "
+                        "8-bit AdamW (2 bytes of state a parameter instead of 8)")
     recipe.add_argument("--learning_rate", type=positive_float, default=1e-4)
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=20)
     recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
@@ -87,34 +88,29 @@ def main(argv=None):
     run = TrainingRun(args, info, "sft", run_name("sft", args.preset))
     torch.manual_seed(args.seed)
 
-    # The starting weights (their prediction and components are kept), and the data
-    model, components, start = load_start_weights(args.from_weight, args.preset, args.prediction, args.out_dir,
-                                                   args.base)
-    args.prediction = start["prediction"]
-    run.log(f"starting from {start['manifest']} (step {start['step']}, predicts {start['prediction']})")
-    dataset = training_dataset(args, components, model.config.patch_size, run.log)
-    prompts = sample_prompts_for(dataset, args.sample_prompts)
-    model.gradient_checkpointing = bool(args.gradient_checkpointing)
-    model.to(info.device).train()
-    components.to(info.device)
-    check_image_sizes(args.resolution, dataset, model, components)
-    if args.export_pipeline:
-        check_pipeline_export(components, args.prediction)
-    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
-    if dataset is None:  # --cache_only: the cache is built
+    # The components, the data and its cache, then the starting weights (their prediction and components are kept)
+    start = start_up(args, info, run, {"model": "trained"})
+    if start.dataset is None:  # --cache_only: the cache is built
         return
+    model, components, dataset, prompts, origin = (start.nets["model"], start.components, start.dataset,
+                                                   start.prompts, start.record)
+    run.log(f"starting from {origin['manifest']} (step {origin['step']}, predicts {origin['prediction']})")
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for all
-    # parameters); the EMA starts at the weights
+    # parameters; or 8-bit AdamW, 2 bytes a parameter of state instead of 8); the EMA starts at the weights
     train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
-    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    if args.optimizer == "adamw8bit":
+        optimizer = import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
+                                                                            weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     stem = os.path.join(args.out_dir, run.name)
 
     def export(step, weights):  # the EMA weights (else the raw ones), a diffusers folder for v, what they came from
-        record = run.weights_record(model.config, components, started_from={"weights": start["manifest"],
-                                                                            "step": start["step"]})
+        record = run.weights_record(model.config, components, started_from={"weights": origin["manifest"],
+                                                                            "step": origin["step"]})
         return export_weights(stem, step, model, weights, components, record, SAVE_DTYPES[args.save_dtype],
                               args.export_pipeline)
 

@@ -25,20 +25,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import (  # noqa: E402
-    check_image_sizes, features_to_train_on, sample_prompts_for, training_dataset,
-)
+from dataset.training_data import training_dataset  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.model_lora import TARGET_GROUPS, LoRAWeights, apply_lora, save_lora  # noqa: E402
+from model.model_lora import TARGET_GROUPS, LoRAWeights, apply_lora, lora_layers, save_lora  # noqa: E402
 from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import load_start_weights, lora_file, lora_run_name, weights_identity  # noqa: E402
+from model.weights import lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
     non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.startup import default_data, start_up  # noqa: E402
 from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
@@ -113,36 +112,35 @@ def main(argv=None):
     if not re.fullmatch(r"[A-Za-z0-9_-]+", args.lora_name):
         raise UserError(f"--lora_name {args.lora_name!r}: use letters, digits, '-' and '_' only (it names a file)")
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
-    run = TrainingRun(args, info, "lora", lora_run_name(args.lora_name, args.preset))
+    run = TrainingRun(args, info, "lora", lora_run_name(args.lora_name, args.preset), frozen_transformer=True)
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
-    # The frozen base weights with adapters on the targeted layers, and the data with the prior data alongside
-    model, components, base = load_start_weights(args.from_weight, args.preset, args.prediction, args.out_dir,
-                                                  args.base)
-    args.prediction = base["prediction"]
-    try:
-        adapted = apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    except ValueError as e:
-        raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    dataset = training_dataset(args, components, model.config.patch_size, run.log)
-    prompts = sample_prompts_for(dataset, args.sample_prompts)
-    dataset = with_prior_data(args, dataset, components, model.config.patch_size, run.log)
-    run.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on {len(adapted)} layers of "
-            f"{base['manifest']} (step {base['step']}, frozen)")
-    model.gradient_checkpointing = bool(args.gradient_checkpointing)
-    model.to(info.device).train()
-    components.to(info.device)
-    check_image_sizes(args.resolution, dataset, model, components)
-    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
-    if dataset is None:  # --cache_only: the cache is built
+    # The components, the data with the prior data alongside (and its cache), then the frozen base weights (in
+    # --frozen_dtype) with adapters on the targeted layers
+    def adapt(model):
+        try:
+            apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
+        except ValueError as e:
+            raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
+
+    def data(args, components, config, log):
+        dataset, prompts = default_data(args, components, config, log)
+        return with_prior_data(args, dataset, components, config.patch_size, log), prompts
+
+    start = start_up(args, info, run, {"model": "adapted"}, data=data, adapt=adapt)
+    if start.dataset is None:  # --cache_only: the cache is built
         return
+    model, components, dataset, prompts, base = (start.nets["model"], start.components, start.dataset,
+                                                 start.prompts, start.record)
+    run.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on {len(lora_layers(model))} "
+            f"layers of {base['manifest']} (step {base['step']}, frozen in {args.frozen_dtype})")
 
     # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW; the
     # resume checkpoint and the EMA hold them alone
     train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
     adapters, params = LoRAWeights(model), [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
-    ema = EMA(adapters, args.ema_decay) if args.ema_decay > 0 else None
+    ema = EMA(adapters, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     path, base_identity = lora_file(args.out_dir, args.lora_name, args.preset), weights_identity(base, args.out_dir)
 
     def export(step, weights):  # the adapters (their EMA if on) in diffusers' LoRA format, naming the base weights

@@ -20,21 +20,19 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import (  # noqa: E402
-    check_image_sizes, features_to_train_on, make_components, sample_prompts_for, training_dataset,
-)
 from model.checkpoint import manifest_path  # noqa: E402
-from model.components import transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
+from model.model_sd3light import PRESETS, SD3Light  # noqa: E402
+from model.precision import import_torchao  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import check_pipeline_export, export_weights, run_name  # noqa: E402
+from model.weights import export_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
     non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.startup import start_up  # noqa: E402
 from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
@@ -52,9 +50,10 @@ def parse_args(argv=None):
     recipe.add_argument("--num_samples", type=positive_int, default=20000, help="size of the built-in dataset")
     recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
     recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
-    recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"], help="muon = Muon for the blocks' "
-                        "2-D weights (its step scaled to AdamW's size, so one --learning_rate serves both), AdamW "
-                        "for the rest")
+    recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "adamw8bit"], help="muon = Muon for "
+                        "the blocks' 2-D weights (its step scaled to AdamW's size, so one --learning_rate serves "
+                        "both), AdamW for the rest; adamw8bit = torchao's 8-bit AdamW (2 bytes of state a parameter "
+                        "instead of 8)")
     recipe.add_argument("--learning_rate", type=positive_float, default=1e-3)
     recipe.add_argument("--warmup_steps", type=non_negative_int, default=100)
     recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
@@ -91,18 +90,13 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     args.prediction = args.prediction or ("v" if args.base else "x")
 
-    # The frozen components and the data; a fresh transformer: the preset's size on the components' widths
-    components = make_components(args, info).to(info.device)
-    config = preset_config(args.preset, **transformer_widths(components))
-    dataset = training_dataset(args, components, config.patch_size, run.log)
-    prompts = sample_prompts_for(dataset, args.sample_prompts)
-    model = SD3Light(config, gradient_checkpointing=bool(args.gradient_checkpointing)).to(info.device).train()
-    check_image_sizes(args.resolution, dataset, model, components)
-    if args.export_pipeline:
-        check_pipeline_export(components, args.prediction)
-    dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
-    if dataset is None:  # --cache_only: the cache is built
+    # The frozen components, the data (and its cache); a fresh transformer: the preset's size on the components'
+    # widths
+    start = start_up(args, info, run, {"model": "trained"}, fresh=SD3Light)
+    if start.dataset is None:  # --cache_only: the cache is built
         return run.step
+    model, components, dataset, prompts, config = (start.nets["model"], start.components, start.dataset,
+                                                   start.prompts, start.config)
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for all
     # parameters, on a CPU too); an EMA follows them
@@ -113,9 +107,12 @@ def main(argv=None):
         optimizer = [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
                                       adjust_lr_fn="match_rms_adamw"),
                      torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
+    elif args.optimizer == "adamw8bit":  # 2 bytes of state a parameter instead of 8
+        optimizer = import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
+                                                                            weight_decay=args.weight_decay)
     else:
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
-    ema = EMA(model, args.ema_decay) if args.ema_decay > 0 else None
+    ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     stem = os.path.join(args.out_dir, run.name)
 
     def export(step, weights):  # the EMA weights (else the raw ones) in --save_dtype, and a diffusers folder for v

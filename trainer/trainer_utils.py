@@ -120,22 +120,23 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio=0.1):
 
 class EMA:
     """Exponential moving average of `source`'s state dict (a model, or anything with state_dict(), such as a
-    model's LoRA adapters), in fp32. The decay warms up as (1 + step) / (10 + step), so a short run is not
-    dominated by its random initial weights."""
+    model's LoRA adapters), in fp32, on `device` (None: where the weights are; "cpu": off the GPU, --ema_device).
+    The decay warms up as (1 + step) / (10 + step), so a short run is not dominated by its random initial
+    weights."""
 
-    def __init__(self, source, decay):
-        self.source, self.decay = source, decay
+    def __init__(self, source, decay, device=None):
+        self.source, self.decay, self.device = source, decay, None if device in (None, "auto") else device
         self.shadow = self.copy_of_source()
 
     def copy_of_source(self):
-        return {k: v.detach().float().clone() for k, v in self.source.state_dict().items()}
+        return {k: v.detach().to(self.device).float().clone() for k, v in self.source.state_dict().items()}
 
     @torch.no_grad()
     def update(self, step):
         decay = min(self.decay, (1 + step) / (10 + step))
         for k, v in self.source.state_dict().items():
             if v.is_floating_point():
-                self.shadow[k].lerp_(v.float(), 1 - decay)
+                self.shadow[k].lerp_(v.to(self.device).float(), 1 - decay)
             else:
                 self.shadow[k].copy_(v)
 

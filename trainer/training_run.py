@@ -36,7 +36,8 @@ from dataset.training_data import warn_truncated
 from eval.sampling import sample_images, save_grid
 from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
-from model.precision import resolve_dtype
+from model.precision import resolve_dtype, resolve_frozen_dtype
+from trainer.arguments import autocast_dtype
 from trainer.parallel import NamedOptimizerState, as_list, conform, gathered, to_item
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import (
@@ -47,14 +48,31 @@ from trainer.trainer_utils import (
 NAN_STEPS_LIMIT = 10  # this many non-finite losses in a row stop the run
 
 
+def resolve_precision(args, dtype_given, device, stage, frozen_transformer, why):
+    """--frozen_dtype as held (model/precision.py), and a transformer held frozen in bf16 or int8 computes under
+    bf16 autocast (args.dtype set so). -> (frozen dtype, why the run computes in args.dtype)."""
+    frozen, _ = resolve_frozen_dtype(getattr(args, "frozen_dtype", "auto"), dtype_given, device,
+                                     bool(getattr(args, "base", None)))
+    if frozen == "int8" and not frozen_transformer:
+        raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage} stage trains every "
+                        "weight of its own: use it with trainer/train_lora.py, or drop it")
+    if frozen_transformer and frozen != "fp32" and args.dtype == "fp32":
+        if dtype_given == "fp32":
+            raise UserError(f"--dtype fp32 with --frozen_dtype {frozen}: a transformer held in {frozen} computes in "
+                            "bf16; drop --dtype fp32, or pass --frozen_dtype fp32")
+        args.dtype, why = "bf16", f"the frozen transformer is held in {frozen}"
+    return frozen, why
+
+
 class TrainingRun:
     """The bookkeeper of one run (the module's docstring shows how a stage uses it)."""
 
-    def __init__(self, args, info, stage, name, sampling=None, cpu_bf16=True):
+    def __init__(self, args, info, stage, name, sampling=None, cpu_bf16=True, frozen_transformer=False):
         """`sampling`: how the sample grids draw and the export records it is drawn (eval.sampling.sample_images's
         settings); by default the stage's --sample_steps, --sample_cfg and --sample_shift. `cpu_bf16`: whether
         --dtype fast may take bf16 on a CPU (model/precision.py); a stage whose loss compares two predictions
-        closer than bf16 resolves says no."""
+        closer than bf16 resolves says no. `frozen_transformer`: whether the stage holds a transformer that does
+        not train (a LoRA base, a teacher, a reference), which --frozen_dtype applies to."""
         self.args, self.info, self.stage, self.name, self.device = args, info, stage, name, info.device
         self.given_sampling = sampling
         self.resume_stem = os.path.join(args.save_dir, f"{name}_resume")
@@ -68,8 +86,9 @@ class TrainingRun:
         # --dtype auto or fast decided once, here (fast on a CPU measures whether bf16 pays); saved with the args
         self.dtype_given = args.dtype
         args.dtype, why = resolve_dtype(args.dtype, info.device, info.world_size > 1, cpu_bf16)
-        if self.dtype_given in ("auto", "fast"):
-            self.log(f"computing in {args.dtype} ({why})")
+        args.frozen_dtype, why = resolve_precision(args, self.dtype_given, info.device, stage, frozen_transformer, why)
+        if self.dtype_given in ("auto", "fast") or why.startswith("the frozen"):
+            self.log(f"computing in {args.dtype} ({why}); frozen networks held in {args.frozen_dtype}")
 
     def log(self, msg):
         """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
@@ -252,7 +271,10 @@ class TrainingRun:
         samples) -> the rate."""
         lr = lr_at(self.samples_seen / self.plan_batch, self.plan_steps, base_lr, warmup_steps, min_lr_ratio)
         for group in (group for opt in as_list(optimizer) for group in opt.param_groups):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         return lr
 
     def backward(self, micro_batches, loss_of):
@@ -388,7 +410,8 @@ class TrainingRun:
         a = self.args
         with sample_model() as model:
             images = sample_images(model, self.components, self.prompts, seed=a.seed, **self.sampling,
-                                   resolution=a.resolution, device=self.device, prediction=a.prediction)
+                                   resolution=a.resolution, device=self.device, prediction=a.prediction,
+                                   autocast=autocast_dtype(a.dtype, self.device))
         if not self.info.is_main:
             return
         path = os.path.join(a.out_dir, "samples", f"{self.name}_step{self.step:06d}.png")

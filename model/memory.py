@@ -1,0 +1,118 @@
+"""The estimate before the work: a run's peak memory per process, from parameter counts and the sizes of a step,
+and where it exceeds the device (a GPU's memory, or the RAM of a CPU run) a warning naming the levers.
+
+    weights      trained networks 4 bytes a parameter (fp32 masters); frozen ones 2 (bf16), 4 (fp32) or 1 (int8)
+    gradients    4 bytes per trained parameter
+    optimizer    AdamW 8 bytes per trained parameter, 8-bit AdamW about 2, Muon 4 on the blocks' matrices
+    EMA          4 bytes per trained parameter, unless --ema_device cpu keeps it off the GPU
+    sharded      (--fsdp 1) weights, gradients, optimizer and EMA divided over the shard group, plus one block
+                 gathered whole
+    activations  what backward keeps, per block about ACTIVATION_WORDS values per token and width (one block's
+                 with --gradient_checkpointing 1, plus each block's input)
+    components   the VAE and text encoders as loaded (the text encoders are freed once training reads the cache)
+    save         on a CPU, the resume file read back to verify it (the trained weights, optimizer and EMA again)
+    runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
+
+Checked against measured peaks by bench/bench_memory.py (BENCHMARKS.md).
+"""
+import os
+
+import torch
+
+GIB = 2 ** 30
+ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
+RUNTIME = {"cpu": 0.6 * GIB, "cuda": 0.8 * GIB}
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06, "muon": None}  # muon: computed from the matrices
+
+
+def frozen_bytes(frozen_dtype):
+    return {"bf16": 2, "fp32": 4, "int8": 1.02}[frozen_dtype]  # int8: one scale a row aside
+
+
+def activation_bytes(config, batch, resolution, downscale, text_tokens, checkpointing, compute_bytes):
+    """What one micro-batch's forward keeps for backward, in bytes."""
+    side = resolution // downscale // config.patch_size
+    tokens = batch * (side * side + text_tokens)
+    per_block = ACTIVATION_WORDS * tokens * config.inner_dim * compute_bytes
+    if checkpointing:
+        return config.num_layers * 2 * tokens * config.inner_dim * 4 + per_block
+    return config.num_layers * per_block
+
+
+def estimate(config, roles, trainable, optimizer, ema, ema_on_device, frozen_dtype, shards, activations,
+             components_bytes, device_type):
+    """-> {part: bytes} of one process's peak. `roles`: {name: trained | frozen | adapted}; `trainable`: the
+    trained parameters of one network (all of it, or its adapters)."""
+    params = config_parameters(config)
+    weights = grads = states = averages = 0.0
+    for role in roles.values():
+        trained = params if role == "trained" else trainable if role == "adapted" else 0
+        weights += trained * 4 + (0 if role == "trained" else params * frozen_bytes(frozen_dtype))
+        grads += trained * 4
+        states += optimizer_bytes(config, optimizer, trained)
+        averages += trained * 4 if ema and ema_on_device and role != "frozen" else 0
+    parts = {"weights": weights, "gradients": grads, "optimizer": states, "EMA": averages}
+    if shards > 1:
+        parts = {k: v / shards for k, v in parts.items()}
+        parts["gathered block"] = 2 * params / config.num_layers
+    save = parts["weights"] - frozen_weights(config, roles, frozen_dtype) / max(shards, 1) + parts["optimizer"] + \
+        parts["EMA"]
+    parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type],
+                 save=save if device_type == "cpu" else 0)
+    return parts
+
+
+def frozen_weights(config, roles, frozen_dtype):
+    return sum(config_parameters(config) * frozen_bytes(frozen_dtype) for role in roles.values() if role != "trained")
+
+
+def config_parameters(config):
+    from model.model_sd3light import count_parameters
+
+    return count_parameters(config)
+
+
+def optimizer_bytes(config, optimizer, trained):
+    if not trained:
+        return 0
+    if optimizer == "muon":  # one momentum for the blocks' matrices, AdamW's two moments for the rest
+        from model.loading import meta_model
+
+        matrices = sum(p.numel() for p in meta_model(config).block_matrices_and_rest()[0])
+        return 4 * matrices + 8 * (trained - matrices) if trained >= matrices else 8 * trained
+    return OPTIMIZER_BYTES[optimizer] * trained
+
+
+def module_bytes(module):
+    """Bytes of a module's parameters and buffers as held now (None and freed parts count nothing)."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def device_memory(device):
+    """Bytes of memory the run's device has: a GPU's, or the machine's RAM for a CPU run."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def peak_rss():
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+LEVERS = ("--gradient_checkpointing 1", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit", "--fsdp 1")
+
+
+def describe(parts, available, where):
+    """The log line, and the warning line where the total exceeds what the device has (or None)."""
+    total = sum(parts.values())
+    shown = ", ".join(f"{name} {value / GIB:.2f}" for name, value in parts.items() if value)
+    line = f"memory estimate per process: {total / GIB:.1f} GiB ({shown} GiB) on {where} of {available / GIB:.0f} GiB"
+    if total <= available:
+        return line, None
+    return line, (f"warning: the estimate ({total / GIB:.1f} GiB) exceeds the {available / GIB:.0f} GiB of {where}; "
+                  f"levers: {', '.join(LEVERS)}")
