@@ -88,6 +88,9 @@ def optimizer_bytes_per_parameter(save_dir):
     codes and scales)."""
     import torch
 
+    from model.precision import import_torchao
+
+    import_torchao("reading 8-bit optimizer state")  # it declares its state's class safe for weights_only loading
     with open(os.path.join(save_dir, "sft_base_resume.json"), encoding="utf-8") as f:
         record = json.load(f)
     state = torch.load(os.path.join(save_dir, f"sft_base_resume.step{record['step']:08d}.pt"), map_location="cpu",
@@ -197,6 +200,7 @@ def main(argv=None):
     for key in sorted(needed):
         print(f"stand-in {key}: {write_stand_in(stand_ins[key], STAND_INS[key]) / GIB:.2f} GiB", flush=True)
     work = args.work or tempfile.mkdtemp(prefix="bench_memory_")
+    os.makedirs(work, exist_ok=True)
     print(f"runs and their logs in {work}\n")
     print("| scenario | measured peak | estimate | target | | notes |\n|---|---|---|---|---|---|", flush=True)
     results = {}

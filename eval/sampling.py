@@ -23,7 +23,7 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
     (each prompt's fresh noise continues its own seeded stream, as diffusers' pipeline draws it from its
     generator). `autocast`: the dtype the transformer computes in (a run's bf16, for weights held in bf16), None
     for plain fp32. The latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
-    was_training = model.training
+    was_training, device = model.training, torch.device(device)
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
     shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)

@@ -124,9 +124,10 @@ def checkpoint_file(stem, record, suffix):
 
 
 def load_torch(path):
-    """A resume file, weights_only: a file holding pickled objects is refused (one line)."""
+    """A resume file, weights_only: a file holding pickled objects is refused (one line). Memory-mapped: its
+    tensors are read as they are used (copied into the run's own), never the whole file at once."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # a pickled object, or a foreign file
         raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
 

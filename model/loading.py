@@ -7,6 +7,7 @@ one block in bf16 before it is quantised).
     reader = TensorFiles([shard_1, shard_2])        # the headers only
     model = fill(meta_model(config), reader, torch.bfloat16, "cuda", after_block=quantise)
 """
+import ctypes
 import json
 import struct
 
@@ -104,9 +105,22 @@ def fill(model, files, dtype, device, after_block=None):
         put(model, name, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
         del tensor
         block = block_of(name)
-        if after_block is not None and block is not None and (i + 1 == len(names) or block_of(names[i + 1]) != block):
-            after_block(model.get_submodule(block))
+        if block is not None and (i + 1 == len(names) or block_of(names[i + 1]) != block):
+            if after_block is not None:
+                after_block(model.get_submodule(block))
+            release_freed_memory()
     if after_block is not None:
         after_block(model)  # the embedders and the output layer (blocks already done are passed over)
+        release_freed_memory()
     files.close()
     return model
+
+
+def release_freed_memory():
+    """Give the memory of the tensors freed since (each block's bf16 weights once quantised, the conversions'
+    temporaries) back to the system: glibc keeps freed blocks under 32 MB in its heap, where the int8 weights
+    that stay fragment it (measured on the SD3.5-Large stand-in: 11.4 GiB after an int8 load instead of 8.5)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

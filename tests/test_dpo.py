@@ -91,9 +91,13 @@ def test_a_pair_of_one_image_twice_gives_log_2_and_no_gradient(start):
 
     policy, components, _, _ = load_for_sampling(start, os.path.dirname(start), "cpu")
     reference, _, _, _ = load_for_sampling(start, os.path.dirname(start), "cpu")
+    # a policy that has moved away from the reference, by its own seeded noise (loading draws no random numbers
+    # any more, so torch's stream is no longer where it was; some draws, e.g. seed 0, saturate the loss of both
+    # flipped pairs, and their gradient vanishes too)
+    noise = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for p in policy.parameters():  # a policy that has moved away from the reference
-            p.add_(0.01 * torch.randn_like(p))
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=noise))
     images = torch.stack([ShapesDataset(num_samples=2)[k]["image"] for k in range(2)])
     args = recipe(dpo_beta=1000.0, prediction="x", sigma_scheme="logit_normal")
 

@@ -88,7 +88,9 @@ class TrainingRun:
         args.dtype, why = resolve_dtype(args.dtype, info.device, info.world_size > 1, cpu_bf16)
         args.frozen_dtype, why = resolve_precision(args, self.dtype_given, info.device, stage, frozen_transformer, why)
         if self.dtype_given in ("auto", "fast") or why.startswith("the frozen"):
-            self.log(f"computing in {args.dtype} ({why}); frozen networks held in {args.frozen_dtype}")
+            self.log(f"computing in {args.dtype} ({why})")
+        if frozen_transformer or getattr(args, "base", None):
+            self.log(f"frozen networks held in {args.frozen_dtype}")
 
     def log(self, msg):
         """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
