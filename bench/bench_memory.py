@@ -58,11 +58,16 @@ def first_loss(out_dir, run):
         return json.loads(f.readline())["loss"]
 
 
-def lora_large(stand_ins, work, frozen):
-    out = os.path.join(work, f"lora_{frozen}")
+def prompt_file(work):
+    """One prompt drawn in one step: the sample grids of an 8B model on a CPU cost little beside the steps."""
     prompt = os.path.join(work, "prompt.txt")
     with open(prompt, "w", encoding="utf-8") as f:
         f.write("a red circle\n")
+    return prompt
+
+
+def lora_large(stand_ins, work, frozen):
+    out, prompt = os.path.join(work, f"lora_{frozen}"), prompt_file(work)
     command = [sys.executable, "trainer/train_lora.py", "--base", stand_ins["large"], "--from_weight", "base",
                "--preset", "sd3.5-large", "--frozen_dtype", frozen, "--resolution", "64", "--batch_size", "1",
                "--gradient_checkpointing", "1", "--max_steps", "2", "--prior_data", "none", "--num_samples", "2",
@@ -72,8 +77,7 @@ def lora_large(stand_ins, work, frozen):
 
 
 def full_fine_tune(stand_ins, work, optimizer, processes=1):
-    out = os.path.join(work, f"sft_{optimizer}_{processes}")
-    prompt = os.path.join(work, "prompt.txt")
+    out, prompt = os.path.join(work, f"sft_{optimizer}_{processes}"), prompt_file(work)
     launcher = [sys.executable] if processes == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     command = [*launcher, "trainer/train_full_sft.py", "--base", stand_ins["base"], "--from_weight", "base",
