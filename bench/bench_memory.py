@@ -90,15 +90,13 @@ def full_fine_tune(stand_ins, work, optimizer, processes=1):
 def optimizer_bytes_per_parameter(save_dir):
     """The optimizer state in the run's resume file, in bytes per trained parameter (8-bit state counted by its
     codes and scales)."""
-    import torch
-
+    from model.checkpoint import load_torch
     from model.precision import import_torchao
 
     import_torchao("reading 8-bit optimizer state")  # it declares its state's class safe for weights_only loading
     with open(os.path.join(save_dir, "sft_base_resume.json"), encoding="utf-8") as f:
         record = json.load(f)
-    state = torch.load(os.path.join(save_dir, f"sft_base_resume.step{record['step']:08d}.pt"), map_location="cpu",
-                       weights_only=True, mmap=True)
+    state = load_torch(os.path.join(save_dir, f"sft_base_resume.step{record['step']:08d}.pt"))
     params = sum(t.numel() for t in state["model"].values() if t.is_floating_point()) - \
         state["model"]["pos_embed.pos_embed"].numel()  # a buffer, not trained
     return leaves_bytes(state["optimizer"]["state"]) / params
