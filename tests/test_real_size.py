@@ -262,3 +262,31 @@ def test_the_estimate_counts_what_each_network_holds():
     assert lora["weights"] == pytest.approx(1.02 * params + 4000) and lora["optimizer"] == 8000
     sharded = estimate(config, {"model": "trained"}, 0, "adamw", False, True, "bf16", 4, 0, 0, "cuda")
     assert sharded["weights"] == params and sharded["gathered block"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", [["--frozen_dtype", "int8"], ["--frozen_dtype", "bf16", "--fsdp", "1"]])
+def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3, mode):
+    """DDP leaves the frozen base alone (int8 weights cannot be broadcast); FSDP shards a bf16 base beside fp32
+    adapters. Both train the adapters and write a file whose adapters moved."""
+    from model.model_lora import read_lora_file
+
+    result = run(["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--prior_data", "none",
+                  "--learning_rate", "0.05", *FAST, *mode, *dirs(tmp_path)], torchrun=2)
+    assert f"frozen networks held in {mode[1]}" in result.stdout
+    assert ("FSDP over mesh" if "--fsdp" in mode else "(DDP)") in result.stdout
+    state = read_lora_file(str(tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"))[0]
+    assert state and any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)
+
+
+def test_a_resume_file_from_before_frozen_dtype_resumes_where_its_frozen_weights_were_fp32():
+    from trainer.trainer_utils import check_resume
+
+    args = train_lora.parse_args([])
+    saved = {k: v for k, v in vars(args).items() if k != "frozen_dtype"}
+    state = {"kind": "resume", "stage": "lora", "args": saved, "dataset_size": 10}
+    args.frozen_dtype = "fp32"  # what --frozen_dtype auto resolves to for the built-in components on a CPU
+    assert check_resume(state, args, "lora", 10) == []
+    args.frozen_dtype = "bf16"
+    with pytest.raises(UserError, match=r"--frozen_dtype fp32 \(saved\) vs bf16 \(now\)"):
+        check_resume(state, args, "lora", 10)

@@ -34,7 +34,13 @@ def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
         from torch.nn.parallel import DistributedDataParallel
 
         trains = any(p.requires_grad for p in model.parameters())
-        return DistributedDataParallel(model) if info.world_size > 1 and trains else model
+        if not (info.world_size > 1 and trains):
+            return model
+        # frozen weights (a LoRA base) are read alike by every rank: DDP neither broadcasts them at the start nor
+        # reduces them (int8 weights could not be broadcast)
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+        return DistributedDataParallel(model)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Every rank starts from rank 0's weights (what DDP does when it wraps): FSDP keeps each rank's own slice, so a

@@ -231,6 +231,10 @@ def find_resume(from_resume, default_stem, info):
     return stem, state
 
 
+# What runs saved before an argument existed did, by its name: their frozen transformers were held in fp32.
+EARLIER_VALUES = {"frozen_dtype": "fp32"}
+
+
 def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=False):
     """Raise a one-line UserError if `state` cannot continue this run; -> the recipe changes accepted by
     --force_resume (empty when nothing changed). How each argument is treated, args.resume_kinds says
@@ -245,7 +249,7 @@ def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=Fa
     if saved_identity != identity:
         raise UserError(f"the resume checkpoint trained {json.dumps(saved_identity)}, this run would train "
                         f"{json.dumps(identity)}: resume from what it started with, or start a fresh run")
-    saved, now, kinds = state["args"], vars(args), args.resume_kinds
+    saved, now, kinds = {**EARLIER_VALUES, **state["args"]}, vars(args), args.resume_kinds
     # an argument this stage no longer has changes nothing; one it has that the file lacks is compared as None
     changed = sorted(k for k in now if saved.get(k) != now[k] and kinds.get(k) != "free")
 
