@@ -113,23 +113,14 @@ def resolve_weights(name_or_path, out_dir):
     return stem
 
 
-def components_for(spec, base, device, where, dtype=None):
-    """The components a weights record names; `base` replaces the SD3 folder it names (moved, or another copy)."""
-    if base:
-        if spec["kind"] != "sd3":
-            raise UserError(f"--base {base}: {where} was trained on the built-in components, not SD3 ones")
-        spec = {**spec, "path": os.path.abspath(base)}
-    try:
-        return build_components(spec, device, dtype)
-    except ComponentsError as e:
-        raise UserError(f"{e} (the components of {where})") from None
 
 
 def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
     """Where trained weights are and what they are, reading only their manifest or config: -> a record with
     "transformer" (the config), "components" (their spec; `base` replaces the SD3 folder), "weight_files" and
     "manifest" (where they were read from). Our weights (files checked against their manifest) or a diffusers
-    folder (a pipeline, or just its transformer/)."""
+    folder (a pipeline, or just its transformer/). `base` replaces the SD3 folder the record names (moved, or
+    another copy)."""
     if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
         return diffusers_source(name_or_path, base)
     stem = resolve_weights(name_or_path, out_dir)
@@ -183,7 +174,10 @@ def vae_downscale(folder):
 def load_components(record, device="cpu", dtype=None):
     """The components a weights record names, checked against its transformer's widths, with their trained parts
     (the built-in text encoder) read back."""
-    components = components_for(record["components"], None, device, record["manifest"], dtype)
+    try:
+        components = build_components(record["components"], device, dtype)
+    except ComponentsError as e:
+        raise UserError(f"{e} (the components of {record['manifest']})") from None
     check_widths(components, SD3LightConfig.from_dict(record["transformer"]), record["manifest"])
     if record["components_file"]:
         try:

@@ -56,12 +56,14 @@ def default_data(args, components, config, log):
 def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None):
     """The networks `roles` names ({name: "trained" | "frozen" | "adapted"}), from --from_weight (or new ones,
     `fresh(config)`, of --preset's size on the components' widths, every rank drawing the same), with the
-    components, the data
-    (`data(args, components, config, log)` -> (dataset, prompts)) and the cache, in the phases above. Sets
-    args.prediction to what the start weights predict. -> Start."""
+    components, the data (`data(args, components, config, log)` -> (dataset, prompts)) and the cache, in the
+    phases above. Sets args.prediction to what the start weights predict. -> Start."""
     bad = [role for role in roles.values() if role not in ROLES]
     if bad or ("adapted" in roles.values() and adapt is None):
         raise ValueError(f"roles must be {ROLES} (and 'adapted' needs adapt): got {roles}")
+    if args.frozen_dtype == "int8" and info.sharded:
+        raise UserError("--frozen_dtype int8 with --fsdp 1 is not supported: shard a bf16 base (--frozen_dtype bf16), "
+                        "or train the int8 base without --fsdp (DDP)")
     frozen = torch_dtype(args.frozen_dtype)
     if fresh is not None:
         record, components = None, make_components(args, info, frozen).to(info.device)
@@ -93,9 +95,6 @@ def network(args, info, record, config, role, adapt, fresh):
     else:
         frozen = role != "trained"
         int8 = frozen and args.frozen_dtype == "int8"
-        if int8 and info.sharded:
-            raise UserError("--frozen_dtype int8 with --fsdp 1 is not supported: shard bf16 weights (--frozen_dtype "
-                            "bf16) or train int8 on one process per GPU")
         dtype = torch_dtype(args.frozen_dtype) if frozen else torch.float32
         model = load_transformer(record, dtype, info.device, meta=info.sharded and not info.is_main,
                                  after_block=int8_weights if int8 else None, frozen=frozen)
