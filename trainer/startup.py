@@ -7,9 +7,9 @@
        are freed (the grids' prompts are encoded first);
     4. the estimate of the run's peak memory (model/memory.py), one line, a warning where it exceeds the device;
     5. the transformer's weights, network by network, each filled from the files in its dtype on the device
-       (model/loading.py): what trains in fp32, what is frozen in --frozen_dtype (int8: block by block). In a
-       sharded run the other ranks keep theirs on the meta device: rank 0's weights fill their shards
-       (trainer/parallel.py).
+       (model/loading.py): what trains in fp32, what is frozen in --frozen_dtype (int8: block by block), or
+       drawn afresh. In a sharded run the other ranks keep theirs on the meta device: rank 0's weights fill
+       their shards (trainer/parallel.py).
 
 A stage names its networks and what each does: "trained" (every weight), "frozen", or "adapted" (frozen, with
 the stage's `adapt(model)` putting trainable adapters on it, e.g. LoRA):
@@ -90,13 +90,14 @@ def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None):
 
 def network(args, info, record, config, role, adapt, fresh):
     """One network: trained ones in fp32, frozen ones (and an adapted one's base) in --frozen_dtype."""
-    if record is None:  # a fresh model: the same initial weights on every rank (the stage seeded torch)
-        model = fresh(config).to(info.device)
+    meta = info.sharded and not info.is_main  # rank 0's weights fill the shards (trainer/parallel.py)
+    if record is None:  # a fresh model: rank 0 draws it (the stage seeded torch), the others hold nothing
+        model = meta_model(config) if meta else fresh(config).to(info.device)
     else:
         frozen = role != "trained"
         int8 = frozen and args.frozen_dtype == "int8"
         dtype = torch_dtype(args.frozen_dtype) if frozen else torch.float32
-        model = load_transformer(record, dtype, info.device, meta=info.sharded and not info.is_main,
+        model = load_transformer(record, dtype, info.device, meta=meta,
                                  after_block=int8_weights if int8 else None, frozen=frozen)
     if role != "trained":
         model.requires_grad_(False)
