@@ -112,7 +112,6 @@ def fill(model, files, dtype, device, after_block=None):
     if after_block is not None:
         after_block(model)  # the embedders and the output layer (blocks already done are passed over)
         release_freed_memory()
-    files.close()
     return model
 
 

@@ -19,10 +19,13 @@ import os
 
 import torch
 
+from model.loading import meta_model
+from model.model_sd3light import count_parameters
+
 GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
 RUNTIME = {"cpu": 0.6 * GIB, "cuda": 0.8 * GIB}
-OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06, "muon": None}  # muon: computed from the matrices
+OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06}  # per trained parameter (muon: from the matrices)
 
 
 def frozen_bytes(frozen_dtype):
@@ -43,41 +46,25 @@ def estimate(config, roles, trainable, optimizer, ema, ema_on_device, frozen_dty
              components_bytes, device_type):
     """-> {part: bytes} of one process's peak. `roles`: {name: trained | frozen | adapted}; `trainable`: the
     trained parameters of one network (all of it, or its adapters)."""
-    params = config_parameters(config)
-    weights = grads = states = averages = 0.0
-    for role in roles.values():
-        trained = params if role == "trained" else trainable if role == "adapted" else 0
-        weights += trained * 4 + (0 if role == "trained" else params * frozen_bytes(frozen_dtype))
-        grads += trained * 4
-        states += optimizer_bytes(config, optimizer, trained)
-        averages += trained * 4 if ema and ema_on_device and role != "frozen" else 0
-    parts = {"weights": weights, "gradients": grads, "optimizer": states, "EMA": averages}
+    params = count_parameters(config)
+    trained = [params if role == "trained" else trainable if role == "adapted" else 0 for role in roles.values()]
+    frozen = sum(params for role in roles.values() if role != "trained") * frozen_bytes(frozen_dtype)
+    parts = {"weights": 4 * sum(trained) + frozen, "gradients": 4 * sum(trained),
+             "optimizer": sum(optimizer_bytes(config, optimizer, n) for n in trained),
+             "EMA": 4 * sum(trained) if ema and ema_on_device else 0}
     if shards > 1:
         parts = {k: v / shards for k, v in parts.items()}
         parts["gathered block"] = 2 * params / config.num_layers
-    save = parts["weights"] - frozen_weights(config, roles, frozen_dtype) / max(shards, 1) + parts["optimizer"] + \
-        parts["EMA"]
-    parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type],
-                 save=save if device_type == "cpu" else 0)
+    # the resume file holds what trains (weights, optimizer, EMA), not the frozen weights
+    save = parts["weights"] - frozen / shards + parts["optimizer"] + parts["EMA"] if device_type == "cpu" else 0
+    parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type], save=save)
     return parts
-
-
-def frozen_weights(config, roles, frozen_dtype):
-    return sum(config_parameters(config) * frozen_bytes(frozen_dtype) for role in roles.values() if role != "trained")
-
-
-def config_parameters(config):
-    from model.model_sd3light import count_parameters
-
-    return count_parameters(config)
 
 
 def optimizer_bytes(config, optimizer, trained):
     if not trained:
         return 0
     if optimizer == "muon":  # one momentum for the blocks' matrices, AdamW's two moments for the rest
-        from model.loading import meta_model
-
         matrices = sum(p.numel() for p in meta_model(config).block_matrices_and_rest()[0])
         return 4 * matrices + 8 * (trained - matrices) if trained >= matrices else 8 * trained
     return OPTIMIZER_BYTES[optimizer] * trained

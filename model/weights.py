@@ -8,7 +8,6 @@ from our manifests or from diffusers folders. LoRA files are found here by name 
     out/pretrain_tiny/transformer/                        the same transformer as a diffusers folder (v-prediction)
     out/lora/lora_demo_tiny.safetensors                   a LoRA, in diffusers' LoRA format
 """
-import json
 import os
 
 import torch
@@ -155,20 +154,11 @@ def diffusers_source(folder, base=None):
         raise UserError(f"{folder} holds a transformer only: pass --base, the SD3 folder with its VAE and text "
                         "encoders")
     return {"kind": "weights", "stage": "diffusers", "preset": preset, "prediction": "v", "step": 0,
-            "resolution": config.sample_size * vae_downscale(components_path), "transformer": config.to_dict(),
+            "transformer": config.to_dict(),
             "components": {"kind": "sd3", "path": os.path.abspath(components_path), "t5_max_length": 77},
             "sampling": {"steps": 28, "cfg": 7.0, "shift": pipeline_shift(pipeline)},
             "manifest": os.path.abspath(transformer_dir), "weight_files": diffusers_weight_files(transformer_dir),
             "components_file": None}
-
-
-def vae_downscale(folder):
-    """How many pixels a latent of the SD3 folder's VAE spans per side (8 for SD3's), from its config alone."""
-    try:
-        with open(os.path.join(folder, "vae", "config.json"), encoding="utf-8") as f:
-            return 2 ** (len(json.load(f)["block_out_channels"]) - 1)
-    except (OSError, ValueError, KeyError):
-        return 8
 
 
 def load_components(record, device="cpu", dtype=None):
@@ -178,7 +168,9 @@ def load_components(record, device="cpu", dtype=None):
         components = build_components(record["components"], device, dtype)
     except ComponentsError as e:
         raise UserError(f"{e} (the components of {record['manifest']})") from None
-    check_widths(components, SD3LightConfig.from_dict(record["transformer"]), record["manifest"])
+    config = SD3LightConfig.from_dict(record["transformer"])
+    check_widths(components, config, record["manifest"])
+    record.setdefault("resolution", config.sample_size * components.downscale)  # a diffusers folder's: its VAE's
     if record["components_file"]:
         try:
             components.load_trained_state_dict(load_safetensors(record["components_file"]))

@@ -53,11 +53,12 @@ def default_data(args, components, config, log):
     return dataset, sample_prompts_for(dataset, args.sample_prompts)
 
 
-def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None):
+def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, record=None):
     """The networks `roles` names ({name: "trained" | "frozen" | "adapted"}), from --from_weight (or new ones,
     `fresh(config)`, of --preset's size on the components' widths, every rank drawing the same), with the
     components, the data (`data(args, components, config, log)` -> (dataset, prompts)) and the cache, in the
-    phases above. Sets args.prediction to what the start weights predict. -> Start."""
+    phases above. `record`: the start weights' record, if the stage has read it (start_weights_source) for its
+    recipe. Sets args.prediction to what the start weights predict. -> Start."""
     bad = [role for role in roles.values() if role not in ROLES]
     if bad or ("adapted" in roles.values() and adapt is None):
         raise ValueError(f"roles must be {ROLES} (and 'adapted' needs adapt): got {roles}")
@@ -69,7 +70,8 @@ def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None):
         record, components = None, make_components(args, info, frozen).to(info.device)
         config = preset_config(args.preset, **transformer_widths(components))
     else:
-        record = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+        record = record or start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir,
+                                                args.base)
         args.prediction = record["prediction"]
         components, config = load_components(record, info.device, frozen), SD3LightConfig.from_dict(
             record["transformer"])
@@ -99,8 +101,6 @@ def network(args, info, record, config, role, adapt, fresh):
         dtype = torch_dtype(args.frozen_dtype) if frozen else torch.float32
         model = load_transformer(record, dtype, info.device, meta=meta,
                                  after_block=int8_weights if int8 else None, frozen=frozen)
-    if role != "trained":
-        model.requires_grad_(False)
     if role == "adapted":
         adapt(model)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)

@@ -124,7 +124,8 @@ def main(argv=None):
             f"{args.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
     # The components, the data and its cache, then three copies of the weights: the teacher frozen (in
     # --frozen_dtype), the generator and the fake score trained
-    nets = start_up(args, info, run, {"teacher": "frozen", "generator": "trained", "fake_score": "trained"})
+    nets = start_up(args, info, run, {"teacher": "frozen", "generator": "trained", "fake_score": "trained"},
+                    record=start)
     if nets.dataset is None:  # --cache_only: the cache is built
         return
     teacher, generator, fake = nets.nets["teacher"], nets.nets["generator"], nets.nets["fake_score"]

@@ -111,15 +111,14 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def preference_data(args, components, log):
-    """The pairs: a pool the run fills from its own samples (--pairs builtin), or a manifest's (cached when the
-    cache is on)."""
+def preference_data(args, components, sampling, log):
+    """The pairs: a pool the run fills from its own samples (--pairs builtin; `sampling`: the starting weights'
+    sampler), or a manifest's (cached when the cache is on)."""
     if args.pairs != "builtin":
         return PreferencePairs(args.pairs, args.resolution, log=log)
     if components.spec["kind"] != "builtin":
         raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
                         "components: with --base, pass a .jsonl of pairs")
-    sampling = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)["sampling"]
     args.pair_sample_cfg = sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg
     args.pair_sample_shift = args.pair_sample_shift or sampling["shift"]
     args.num_workers = 0  # the pool changes in place each round: no worker may keep a stale copy
@@ -145,12 +144,14 @@ def main(argv=None):
         except ValueError as e:
             raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
 
+    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+
     def data(args, components, config, log):
-        pairs = preference_data(args, components, log)
+        pairs = preference_data(args, components, source["sampling"], log)
         return pairs, pairs.sample_prompts()
 
     roles = {"model": "adapted"} if args.lora_rank else {"model": "trained", "reference": "frozen"}
-    start = start_up(args, info, run, roles, data=data, adapt=adapt)
+    start = start_up(args, info, run, roles, data=data, adapt=adapt, record=source)
     if start.dataset is None:  # --cache_only: the cache is built
         return
     model, reference_model = start.nets["model"], start.nets.get("reference")
