@@ -6,10 +6,13 @@ composited on white, 16-bit scaled to 8-bit, resized to cover the output size an
 a resolution x resolution square, or with aspect-ratio buckets (dataset/buckets.py) the bucket size nearest the
 image's shape.
 """
+import copy
 import json
 import os
+import re
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +29,9 @@ PROGRESS_MIN_FILES = 200  # show a progress bar while checking more files than t
 MAX_NAMES_LISTED = 5  # per skip reason in the summary line
 CHECK_THREADS = 8  # Pillow releases the GIL while decoding, so threads overlap file reads and decodes
 TURNING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that turn the picture by 90 degrees for display
+
+MASK_SUFFIX = ".mask"  # NAME.mask.png beside NAME.png: white = train, black = ignore, grey = weight
+REPEATS_FOLDER = re.compile(r"(\d+)_(.+)")  # kohya's convention: a folder 3_name is seen 3 times an epoch
 
 LOOKED_FOR = f"looked recursively for {', '.join(IMAGE_EXTENSIONS)} files (any letter case)"
 HOW_TO = "pass a folder of images with same-name .txt captions, a .jsonl manifest, or 'builtin'"
@@ -115,27 +121,82 @@ def clean_caption(text):
     return " ".join(text.split())  # one line, single spaces: a caption file may end in a newline or wrap lines
 
 
+@dataclass(frozen=True)
+class CaptionOptions:
+    """How captions are read: `per_line` (a .txt holds one caption per line, as kohya and OneTrainer read them;
+    else its lines are joined into one), and a `prefix` / `suffix` put on every caption (a trigger word)."""
+    prefix: str = ""
+    suffix: str = ""
+    per_line: bool = False
+
+    def read(self, text):
+        """The raw text of a caption file (or a manifest's caption: a string, a list, or None) -> its captions,
+        prefixed and suffixed: at least one, "" when there is none."""
+        if isinstance(text, list):
+            raw = [clean_caption(t) for t in text]
+        elif self.per_line:
+            raw = [clean_caption(line) for line in (text or "").splitlines()]
+        else:
+            raw = [clean_caption(text or "")]
+        raw = [c for c in raw if c] or [""]
+        return [clean_caption(self.prefix + c + self.suffix) if self.prefix or self.suffix else c for c in raw]
+
+
+def is_mask_file(path):
+    return os.path.splitext(os.path.splitext(path)[0])[1].lower() == MASK_SUFFIX
+
+
+def mask_beside(path):
+    """NAME.mask.<any image extension> beside NAME.<ext>, or None."""
+    stem = os.path.splitext(path)[0] + MASK_SUFFIX
+    for ext in IMAGE_EXTENSIONS:
+        for candidate in (stem + ext, stem + ext.upper()):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def folder_repeats(root, path, odd):
+    """kohya's repeats: the top folder of `path` under `root` named N_name is seen N times an epoch. A name that
+    starts with a digit but is no N_ prefix goes into `odd` (it is seen once); 0_ is an error."""
+    top = os.path.relpath(path, root).split(os.sep)[0]
+    if top == os.path.basename(path):
+        return 1
+    match = REPEATS_FOLDER.fullmatch(top)
+    if match:
+        if int(match.group(1)) == 0:
+            raise DatasetError(f"folder {os.path.join(root, top)}: a 0_ prefix would never show its images; "
+                               "rename it 1_... (or more) or move it out of the data")
+        return int(match.group(1))
+    odd.add(top)
+    return 1
+
+
 def find_images(root):
-    """-> ((image path, caption) for every image under root, sorted, the caption being the same-name .txt or "";
-    {kind: count} of the files passed over: other file types by extension, captions without an image)."""
+    """-> ((image path, caption text) for every image under root, sorted, the text being the same-name .txt's or
+    "" (NAME.mask.png files are masks, not images); {kind: count} of the files passed over: other file types by
+    extension, captions without an image)."""
     paths, others = [], []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".")]  # .git, .ipynb_checkpoints, ... hold no data
         # Dot-files are skipped too: macOS "._name.png" resource forks look like images but are not.
         for name in (f for f in files if not f.startswith(".")):
-            (paths if name.lower().endswith(IMAGE_EXTENSIONS) else others).append(os.path.join(folder, name))
+            if name.lower().endswith(IMAGE_EXTENSIONS):
+                (others if is_mask_file(name) else paths).append(os.path.join(folder, name))
+            else:
+                others.append(os.path.join(folder, name))
     items = []
     for path in sorted(paths):
         caption_path = os.path.splitext(path)[0] + ".txt"
         caption = ""
         if os.path.isfile(caption_path):
             with open(caption_path, encoding="utf-8-sig", errors="replace") as f:
-                caption = clean_caption(f.read())
+                caption = f.read()
         items.append((path, caption))
     captions = {os.path.splitext(path)[0] + ".txt" for path in paths}
     ignored = Counter(".txt without an image" if path.lower().endswith(".txt") else
                       os.path.splitext(path)[1].lower() or "file without extension"
-                      for path in others if path not in captions)
+                      for path in others if path not in captions and not is_mask_file(path))
     return items, dict(sorted(ignored.items()))
 
 
@@ -153,7 +214,8 @@ def describe_ignored(ignored):
 
 
 def read_image_list(path):
-    """(image path, caption) for each line {"image": ..., "caption": ...}; image paths are relative to the file."""
+    """(image path, caption text or list, repeats, mask path or None) for each line {"image": ..., "caption": ...,
+    optionally "repeats": N, "mask": ...}; paths are relative to the file."""
     root = os.path.dirname(os.path.abspath(path))
     items = []
     with open(path, encoding="utf-8-sig") as f:
@@ -166,12 +228,20 @@ def read_image_list(path):
                 raise DatasetError(f"{path} line {line_number} is not valid JSON ({e.msg}): expected "
                                    '{"image": "relative/or/absolute.png", "caption": "..."} on every line') from None
             caption = entry.get("caption") if isinstance(entry, dict) else None
-            if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) or not isinstance(
-                    caption, (str, type(None))):
+            if not isinstance(entry, dict) or not isinstance(entry.get("image"), str) or not (
+                    isinstance(caption, (str, type(None))) or
+                    (isinstance(caption, list) and caption and all(isinstance(c, str) for c in caption))):
                 raise DatasetError(f"{path} line {line_number} is not an object with a string \"image\" and an "
-                                   f"optional string \"caption\": {line.strip()[:80]}")
-            # os.path.join keeps an absolute image path as it is
-            items.append((os.path.join(root, os.path.expanduser(entry["image"])), clean_caption(caption or "")))
+                                   f"optional string (or list of strings) \"caption\": {line.strip()[:80]}")
+            repeats, mask = entry.get("repeats", 1), entry.get("mask")
+            if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+                raise DatasetError(f"{path} line {line_number}: \"repeats\" must be a whole number >= 1, got "
+                                   f"{repeats!r}")
+            if mask is not None and not isinstance(mask, str):
+                raise DatasetError(f"{path} line {line_number}: \"mask\" must be the path of an image")
+            # os.path.join keeps an absolute path as it is
+            items.append((os.path.join(root, os.path.expanduser(entry["image"])), caption or "", repeats,
+                          os.path.join(root, os.path.expanduser(mask)) if mask else None))
     return items
 
 
@@ -180,24 +250,66 @@ def read_image_list(path):
 
 
 class ImageCaptionDataset(torch.utils.data.Dataset):
-    """User images with captions. Items are {"image": [3, H, W] in [-1, 1], "caption": str ("" = unconditional)}.
+    """User images with captions. Items are {"image": [3, H, W] in [-1, 1], "caption": str ("" = unconditional)},
+    and "mask" [1, H, W] in [0, 1] when any image has one (NAME.mask.png; 1 where an image has none).
 
     buckets: None for resolution x resolution squares, or a list of (width, height) sizes (dataset/buckets.py):
-    each image then comes out at the size whose aspect ratio is nearest its own.
+    each image then comes out at the size whose aspect ratio is nearest its own. captions: CaptionOptions (a
+    prefix, a suffix, one caption per line).
 
-    After construction: items (kept (path, caption) pairs), skipped (reason -> paths), uncaptioned (count of kept
-    images with an empty caption), ignored ({kind: count} of the folder's files that are not images or captions,
-    e.g. ".gif"), summary (the line that was logged), bucket_sizes (the sizes; without buckets
-    the one square) and bucket_of (per item, the index of its size; without buckets all 0).
+    After construction: items (kept (path, first caption) pairs), captions (per item, all its captions), repeats
+    (per item, how often an epoch shows it: its N_ folder or its manifest line), masks (per item, a mask path or
+    None), skipped (reason -> paths), uncaptioned (count of kept images with an empty caption), ignored ({kind:
+    count} of the folder's files that are not images or captions, e.g. ".gif"), summary (the line that was
+    logged), bucket_sizes (the sizes; without buckets the one square) and bucket_of (per item, the index of its
+    size; without buckets all 0).
     """
 
-    def __init__(self, path, resolution, log=print, buckets=None):
+    def __init__(self, path, resolution, log=print, buckets=None, captions=None):
         path = os.fspath(path)
         self.path, self.resolution = path, int(resolution)
         self.bucketed = buckets is not None
         self.bucket_sizes = [(int(w), int(h)) for w, h in buckets] if self.bucketed else [(self.resolution,) * 2]
         if not self.bucket_sizes or min(min(size) for size in self.bucket_sizes) < 1:
             raise ValueError(f"buckets must be a non-empty list of positive (width, height) sizes, got {buckets!r}")
+        candidates, self.odd_folders = self._candidates(path), set()
+        if os.path.isdir(path):  # (image, caption text) -> with repeats from the N_ folders and masks beside
+            candidates = [(p, text, folder_repeats(path, p, self.odd_folders), mask_beside(p))
+                          for p, text in candidates]
+            if not any(repeats > 1 for _, _, repeats, _ in candidates) and not any(
+                    REPEATS_FOLDER.fullmatch(os.path.relpath(p, path).split(os.sep)[0]) for p, *_ in candidates):
+                self.odd_folders = {f for f in self.odd_folders if f[:1].isdigit()}  # no N_ folders: names only
+        options = captions or CaptionOptions()
+        paths = [p for p, *_ in candidates]
+        with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(paths))) as pool:
+            checks = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
+            checks = list(tqdm(checks, total=len(paths), desc=f"checking {path}", unit="img",
+                               disable=len(paths) <= PROGRESS_MIN_FILES))
+        self.items, self.captions, self.repeats, self.masks, self.skipped, self.bucket_of = [], [], [], [], {}, []
+        self.uncaptioned = 0  # a trigger word alone is still no caption
+        for (image, text, repeats, mask), (reason, size) in zip(candidates, checks):
+            if reason is not None:
+                self.skipped.setdefault(reason, []).append(image)
+                continue
+            check_mask(mask, size)
+            self.captions.append(options.read(text))
+            self.uncaptioned += CaptionOptions().read(text) == [""]
+            self.items.append((image, self.captions[-1][0]))
+            self.repeats.append(repeats)
+            self.masks.append(mask)
+            self.bucket_of.append(nearest_bucket(*size, self.bucket_sizes) if self.bucketed else 0)
+        self.has_masks = any(self.masks)
+        self.summary = self._summary()
+        if not self.items:
+            raise DatasetError(f"no usable images: {self.summary}")
+        log(self.summary)
+        if self.odd_folders:
+            names = sorted(self.odd_folders)
+            log(f"warning: {len(names)} folder(s) have no N_ repeat prefix ({', '.join(names[:MAX_NAMES_LISTED])}): "
+                "their images are seen once an epoch (name a folder 3_name to see it 3 times)")
+
+    def _candidates(self, path):
+        """(image path, caption text, repeats, mask) from a folder (repeats and masks added after) or a manifest."""
         if not os.path.exists(path):
             raise DatasetError(f"dataset path {path} does not exist: {HOW_TO}")
         if os.path.isdir(path):
@@ -206,32 +318,15 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             if not candidates:
                 found = f" (found {describe_ignored(self.ignored)})" if self.ignored else ""
                 raise DatasetError(f"no images found in {path}{found}: {LOOKED_FOR}; {HOW_TO}")
-        elif path.lower().endswith(".jsonl"):
+            return candidates
+        if path.lower().endswith(".jsonl"):
             self.root = os.path.dirname(os.path.abspath(path))
             candidates, self.ignored = read_image_list(path), {}
             if not candidates:
                 raise DatasetError(f"manifest {path} lists no images: expected one line per image like "
                                    '{"image": "a.png", "caption": "..."}')
-        else:
-            raise DatasetError(f"dataset path {path} is neither a folder nor a .jsonl manifest: {HOW_TO}")
-
-        paths = [p for p, _ in candidates]
-        with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(paths))) as pool:
-            checks = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
-            checks = list(tqdm(checks, total=len(paths), desc=f"checking {path}", unit="img",
-                               disable=len(paths) <= PROGRESS_MIN_FILES))
-        self.items, self.skipped, self.bucket_of = [], {}, []
-        for item, (reason, size) in zip(candidates, checks):
-            if reason is None:
-                self.items.append(item)
-                self.bucket_of.append(nearest_bucket(*size, self.bucket_sizes) if self.bucketed else 0)
-            else:
-                self.skipped.setdefault(reason, []).append(item[0])
-        self.uncaptioned = sum(1 for _, caption in self.items if not caption)
-        self.summary = self._summary()
-        if not self.items:
-            raise DatasetError(f"no usable images: {self.summary}")
-        log(self.summary)
+            return candidates
+        raise DatasetError(f"dataset path {path} is neither a folder nor a .jsonl manifest: {HOW_TO}")
 
     def _summary(self):
         parts = []
@@ -248,6 +343,13 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             ignored = f", not read: {describe_ignored(self.ignored)} (images must be {', '.join(IMAGE_EXTENSIONS)})"
         summary = (f"dataset {self.path}: {len(self.items)} images, {skipped}{ignored}, {self.uncaptioned} without "
                    "caption")
+        if sum(self.repeats) != len(self.items):
+            summary += f", {sum(self.repeats)} samples an epoch with repeats"
+        several = [len(c) for c in self.captions if len(c) > 1]
+        if several:
+            summary += f", {len(several)} with several captions ({sum(several)} in all)"
+        if any(self.masks):
+            summary += f", {sum(1 for m in self.masks if m)} masks"
         if self.bucketed and self.items:
             counts = [(size, self.bucket_of.count(i)) for i, size in enumerate(self.bucket_sizes)]
             summary += ", buckets " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in counts if n)
@@ -257,18 +359,74 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i):
-        path, caption = self.items[i]
+        return self.load(i)
+
+    def load(self, i, caption=0, flip=False):
+        """Item i with its caption number `caption`, mirrored left to right if `flip` (its mask too)."""
+        path = self.items[i][0]
+        size = self.bucket_sizes[self.bucket_of[i]]
         try:
-            image = load_image(path, self.resolution, size=self.bucket_sizes[self.bucket_of[i]])
+            image = load_image(path, self.resolution, size=size)
+            mask = load_mask(self.masks[i], size) if self.masks[i] else None
         except Exception as e:  # it decoded at start-up, so the file changed underneath us
             raise DatasetError(f"could not load {path} (it loaded when the dataset was built): {e}") from e
-        return {"image": image_to_tensor(image), "caption": caption}
+        item = {"image": image_to_tensor(image), "caption": self.captions[i][caption]}
+        if self.has_masks:
+            item["mask"] = mask if mask is not None else torch.ones(1, size[1], size[0])
+        if flip:
+            item = {key: value.flip(-1) if key != "caption" else value for key, value in item.items()}
+        return item
+
+    def split(self, fraction, seed):
+        """-> (the rest, the held-out part): round(fraction x images) images (at least one) drawn with `seed`,
+        never trained on."""
+        n = len(self.items)
+        held = max(1, round(fraction * n))
+        if held >= n:
+            raise DatasetError(f"--val_fraction {fraction:g} of {n} images leaves none to train on: use a smaller "
+                               "fraction, or pass --val_data")
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        return self.subset(sorted(order[held:])), self.subset(sorted(order[:held]))
+
+    def subset(self, indices):
+        part = copy.copy(self)
+        for name in ("items", "captions", "repeats", "masks", "bucket_of"):
+            setattr(part, name, [getattr(self, name)[i] for i in indices])
+        part.has_masks = any(part.masks)
+        return part
 
 
-def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0, buckets=None):
+# ----------------------------------------------------------------------------------------------------------------
+# Masks
+
+
+def check_mask(mask, size):
+    """A mask must be an image of its image's size (as displayed): one-line DatasetError otherwise."""
+    if mask is None:
+        return
+    try:
+        with Image.open(mask) as img:
+            mask_size = ImageOps.exif_transpose(img).size
+    except Exception:  # any decoder failure: not an image
+        raise DatasetError(f"mask {mask} is not an image Pillow can read: save it as a PNG (white = train, black = "
+                           "ignore)") from None
+    if tuple(mask_size) != tuple(size):
+        raise DatasetError(f"mask {mask} is {mask_size[0]}x{mask_size[1]} but its image is {size[0]}x{size[1]}: a "
+                           "mask must have its image's size")
+
+
+def load_mask(path, size):
+    """The mask as a [1, H, W] weight in [0, 1] (white = 1), resized and cropped as its image is."""
+    with Image.open(path) as img:
+        gray = ImageOps.exif_transpose(img).convert("L")
+    return torch.from_numpy(np.asarray(cover_and_crop(gray, tuple(size)), dtype=np.float32) / 255.0)[None]
+
+
+def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0, buckets=None, captions=None):
     """'builtin' -> ShapesDataset(split, ...), 'builtin:white' the same in white only (or other colours, comma
     separated); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and seed only apply to the built-in
-    data; buckets, a list of (width, height) sizes, only to user data). Anything else raises DatasetError."""
+    data; buckets, a list of (width, height) sizes, and captions, CaptionOptions, only to user data). Anything
+    else raises DatasetError."""
     if data == "builtin" or data.startswith("builtin:"):
         if buckets is not None:
             raise DatasetError(f"--data {data}: aspect-ratio buckets are for user images; the built-in shapes are "
@@ -280,4 +438,4 @@ def build_dataset(data, resolution, split="train", log=print, num_samples=None, 
             raise DatasetError(f"--data {data}: {e}") from None
         log(f"dataset {data}: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
         return dataset
-    return ImageCaptionDataset(data, resolution, log=log, buckets=buckets)
+    return ImageCaptionDataset(data, resolution, log=log, buckets=buckets, captions=captions)

@@ -13,12 +13,14 @@ import torch.distributed as dist
 
 from dataset.buckets import bucket_layout, bucket_sizes
 from dataset.cache import build_cache
-from dataset.image_folder import build_dataset, read_prompt_file
+from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset, build_dataset, read_prompt_file
 from dataset.preference_pairs import encode_pairs
+from dataset.samples import EpochSamples, count_short_of
 from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION
 from model.components import BuiltinComponents, SD3Components
 from model.errors import UserError
 from model.file_io import json_digest
+from model.rectified_flow import mask_to_latents
 
 
 def make_components(args, info, dtype=None):
@@ -42,9 +44,74 @@ def training_dataset(args, components, patch_size, log, data=None, num_samples=N
         except ValueError as e:
             raise UserError(f"--buckets {args.buckets} at --resolution {args.resolution}: {e}") from None
     dataset = build_dataset(data, args.resolution, num_samples=num_samples or args.num_samples, seed=args.seed,
-                            log=log, buckets=sizes)
+                            log=log, buckets=sizes, captions=caption_options(vars(args)))
     warn_long_captions(dataset, components, log)
     return dataset
+
+
+def caption_options(settings):
+    """CaptionOptions from a run's arguments (a dict: vars(args), or the args an exported record keeps); runs
+    from before these arguments read captions whole and unprefixed."""
+    return CaptionOptions(settings.get("caption_prefix", ""), settings.get("caption_suffix", ""),
+                          settings.get("caption_lines", "join") == "each")
+
+
+DATA_FEATURES = ("caption_prefix", "caption_suffix", "random_flip", "shuffle_tags")
+
+
+def epoch_samples(args, parts, log):
+    """What an epoch shows (dataset/samples.py): the user's images (parts[0]) with their repeats, captions, flips
+    and tag shuffles, beside any other parts (LoRA's prior data). Built-in data alone (or first) is trained as it
+    was: one permutation of its samples an epoch."""
+    if not isinstance(parts[0], ImageCaptionDataset):
+        used = [f"--{name}" for name in DATA_FEATURES if getattr(args, name, None)]
+        if used:
+            raise UserError(f"{', '.join(used)} apply to your own images (--data a folder or .jsonl), not to the "
+                            "built-in shapes (their captions name left and right, and carry no tags)")
+        return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
+    shuffle, keep = bool(getattr(args, "shuffle_tags", 0)), getattr(args, "keep_tags", 0)
+    if shuffle and count_short_of(parts, keep):
+        log(f"warning: {count_short_of(parts, keep)} caption(s) have no more than --keep_tags {keep} tags: they are "
+            "trained as they are, unshuffled")
+    samples = EpochSamples(parts, args.resolution, getattr(args, "random_flip", 0.0), shuffle, keep, args.seed)
+    if len(samples) != len(parts[0]) or samples.flip or shuffle or len(samples.keys) != len(samples):
+        log(f"an epoch shows {len(samples)} samples drawn from {len(samples.keys)} variants (image x caption x "
+            f"flip{', tags shuffled' if shuffle else ''})")
+    return samples
+
+
+def split_validation(args, dataset):
+    """--val_fraction of the user's images held out, never trained on -> (what trains, held out or None)."""
+    fraction = getattr(args, "val_fraction", 0.0)
+    if not fraction:
+        return dataset, None
+    if getattr(args, "val_data", None):
+        raise UserError("pass --val_data or --val_fraction, not both")
+    if fraction >= 1:
+        raise UserError(f"--val_fraction {fraction:g} would hold out every image: use a fraction below 1 (e.g. 0.1)")
+    if not isinstance(dataset, ImageCaptionDataset):
+        raise UserError("--val_fraction splits your own images; the built-in data has its own held-out split: pass "
+                        "--val_data builtin")
+    return dataset.split(fraction, args.seed)
+
+
+def validation_data(args, held_out, log):
+    """The validation images: --val_data (the built-in held-out split for 'builtin'), or what --val_fraction held
+    out, as resolution x resolution squares with their first caption; None without either."""
+    if held_out is None and not getattr(args, "val_data", None):
+        return None
+    if held_out is None:
+        try:
+            held_out = build_dataset(args.val_data, args.resolution, split="heldout", num_samples=args.val_samples,
+                                     seed=args.seed, log=lambda line: None, captions=caption_options(vars(args)))
+        except DatasetError as e:
+            raise UserError(f"--val_data {args.val_data}: {e}") from None
+    if isinstance(held_out, ImageCaptionDataset):
+        held_out = held_out.subset(range(len(held_out)))
+        held_out.bucket_of, held_out.bucket_sizes = [0] * len(held_out), [(args.resolution,) * 2]
+    log(f"validation: {min(len(held_out), args.val_samples)} images of {args.val_data or '--data'} every "
+        f"{args.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise")
+    return held_out
 
 
 def warn_long_captions(dataset, components, log):
@@ -99,9 +166,10 @@ def use_cache(args, components):
 def data_fingerprint(dataset, resolution):
     """Everything about the data that changes the cached features: the files (path, size, mtime), the captions,
     the image sizes. Several datasets (LoRA's prior data) are listed part by part."""
-    if isinstance(dataset, torch.utils.data.ConcatDataset):
-        parts = [data_fingerprint(d, resolution) for d in dataset.datasets]
-        return {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
+    if isinstance(dataset, (torch.utils.data.ConcatDataset, EpochSamples)):
+        parts = [data_fingerprint(d, resolution) for d in getattr(dataset, "datasets", getattr(dataset, "parts", []))]
+        merged = {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
+        return {**merged, **(dataset.fingerprint() if isinstance(dataset, EpochSamples) else {})}
     sizes = [list(size) for size in bucket_layout(dataset, resolution)[1]]
     if hasattr(dataset, "fingerprint"):  # preference pairs
         return {**dataset.fingerprint(), "sizes": sizes}
@@ -110,8 +178,14 @@ def data_fingerprint(dataset, resolution):
         for path, _ in dataset.items:
             stat = os.stat(path)
             files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
-        return {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": json_digest(files),
-                "captions": json_digest([caption for _, caption in dataset.items]), "sizes": sizes}
+        found = {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": json_digest(files),
+                 "captions": json_digest([caption for _, caption in dataset.items]), "sizes": sizes}
+        if any(len(captions) > 1 for captions in getattr(dataset, "captions", [])):
+            found["all_captions"] = json_digest(dataset.captions)
+        if any(getattr(dataset, "masks", [])):
+            found["masks"] = json_digest([[m, os.stat(m).st_size, os.stat(m).st_mtime_ns] if m else None
+                                          for m in dataset.masks])
+        return found
     return {"data": f"builtin:{dataset.split}:{','.join(dataset.colors)}", "count": len(dataset),
             "generator": json_digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
 
@@ -119,7 +193,8 @@ def data_fingerprint(dataset, resolution):
 def cache_folder(cache_dir, dataset, fingerprint, components):
     """One cache folder per dataset (its parts' sources) and component set: stages on the same data share it, and
     a resolution, caption or file change rebuilds it in place."""
-    source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else dataset
+    source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else \
+        dataset.parts[0] if isinstance(dataset, EpochSamples) else dataset
     name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
     sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
     key = json_digest([sources, components.spec.get("kind"), components.spec.get("path")])[:16]
@@ -132,6 +207,7 @@ def cached_dataset(args, dataset, components, info, log):
     sizes (bucket_of, bucket_sizes) so they batch as the images would."""
     fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
                    "components": json_digest(components.identity())}
+    samples, dataset = dataset, getattr(dataset, "variants", dataset)  # each variant of an image once
 
     def encode(indices):
         items = [dataset[i] for i in indices]
@@ -145,17 +221,19 @@ def cached_dataset(args, dataset, components, info, log):
             captions = [items[k]["caption"] for k in group]
             batch = encode_pairs(components, stacked("chosen"), stacked("rejected"), captions) if pairs else \
                 components.encode(stacked("image"), captions)
+            if "mask" in items[0]:  # at the latents' size, as the loss weighs them
+                batch["mask"] = mask_to_latents(stacked("mask"), batch["latents"].shape[-2:])
             for j, k in enumerate(group):
                 features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
         return features
 
-    folder = cache_folder(args.cache_dir, dataset, fingerprint, components)
+    folder = cache_folder(args.cache_dir, samples, fingerprint, components)
     cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
                         barrier=dist.barrier if info.world_size > 1 else None,
                         encode_batch=getattr(args, "encode_batch_size", 0) or args.batch_size, log=log)
     warn_truncated(components, info, log)
     cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, args.resolution)  # the images' sizes, as batched
-    return cache
+    return samples.reading(cache) if samples is not dataset else cache
 
 
 def warn_truncated(components, info, log):
@@ -178,6 +256,9 @@ def features_to_train_on(args, dataset, components, prompts, info, log):
     --cache_only asked for the cache alone."""
     if not use_cache(args, components) or not getattr(dataset, "cacheable", True):
         return dataset
+    if getattr(dataset, "shuffle_tags", False):
+        raise UserError("--shuffle_tags 1 changes the text at every step, and the cache holds it encoded once: pass "
+                        "--cache 0 (the text encoders then stay in memory and encode each step)")
     cache = cached_dataset(args, dataset, components, info, log)
     if args.cache_only:
         log(f"--cache_only: the cache of {len(cache)} samples is ready in {cache.folder}")

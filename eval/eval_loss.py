@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import build_dataset  # noqa: E402
+from dataset.training_data import caption_options  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from model.errors import run_main  # noqa: E402
@@ -24,21 +25,41 @@ SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
 
 @torch.no_grad()
-def quantile_losses(model, components, dataset, num_samples, batch_size, device, prediction, seed=0):
-    """{sigma: mean MSE of the velocity} over the first num_samples items; noise is seeded per item and sigma."""
-    n = min(num_samples, len(dataset))
-    totals = {s: 0.0 for s in SIGMAS}
-    for start in range(0, n, batch_size):
-        items = [dataset[i] for i in range(start, min(n, start + batch_size))]
+def encode_heldout(components, dataset, num_samples, batch_size, device):
+    """The first num_samples items encoded once, in batches: [{"first": index of its first item, "latents" (the
+    latent distribution's mean), "tokens", "pooled"}], on the CPU. What a training run's validation keeps (its text
+    encoders may be freed later)."""
+    batches = []
+    for start in range(0, min(num_samples, len(dataset)), batch_size):
+        items = [dataset[i] for i in range(start, min(num_samples, len(dataset), start + batch_size))]
         latents = components.encode_images(torch.stack([it["image"] for it in items]).to(device))
         tokens, pooled = components.encode_prompts([it["caption"] for it in items])
+        batches.append({"first": start, "latents": latents.cpu(), "tokens": tokens.cpu(), "pooled": pooled.cpu()})
+    return batches
+
+
+@torch.no_grad()
+def heldout_losses(model, batches, prediction, seed=0, autocast=None):
+    """{sigma: mean MSE of the velocity} over encoded batches (encode_heldout); noise is seeded per item and sigma.
+    `autocast`: the dtype the model computes in (None: fp32)."""
+    device = next(model.parameters()).device
+    totals, n = {s: 0.0 for s in SIGMAS}, sum(len(batch["latents"]) for batch in batches)
+    for batch in batches:
+        latents, tokens, pooled = (batch[k].to(device) for k in ("latents", "tokens", "pooled"))
         for k, s in enumerate(SIGMAS):
             noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(
-                seed + 1000003 * k + start + j)) for j in range(len(items))]).to(device)
-            sigma = torch.full((len(items),), s, device=device)
-            pred = predict_velocity(model, add_noise(latents, noise, sigma), tokens, pooled, sigma, prediction)
-            totals[s] += flow_loss(pred, latents, noise, sigma).item() * len(items)
+                seed + 1000003 * k + batch["first"] + j)) for j in range(len(latents))]).to(device)
+            sigma = torch.full((len(latents),), s, device=device)
+            with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                pred = predict_velocity(model, add_noise(latents, noise, sigma), tokens, pooled, sigma, prediction)
+            totals[s] += flow_loss(pred, latents, noise, sigma).item() * len(latents)
     return {s: total / n for s, total in totals.items()}
+
+
+def quantile_losses(model, components, dataset, num_samples, batch_size, device, prediction, seed=0):
+    """{sigma: mean MSE of the velocity} over the first num_samples items of `dataset`."""
+    return heldout_losses(model, encode_heldout(components, dataset, num_samples, batch_size, device), prediction,
+                          seed)
 
 
 def main():
@@ -55,9 +76,11 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record = load_weights(args.weights, args.out_dir, device)
-    # the held-out split is drawn from its own seed stream, so it never repeats a training sample
+    # the held-out split is drawn from its own seed stream, so it never repeats a training sample; user captions get
+    # the trigger word (--caption_prefix, --caption_suffix) the weights were trained with
+    captions = caption_options(record.get("args", {}))
     dataset = build_dataset(args.data, record["resolution"], split=args.split, num_samples=args.num_samples,
-                            seed=args.seed, log=lambda msg: None)
+                            seed=args.seed, log=lambda msg: None, captions=captions)
     losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device,
                              record["prediction"], args.seed)
     mean = sum(losses.values()) / len(losses)

@@ -207,17 +207,24 @@ class LoRAWeights:
         load_lora_state_dict(self.model, state)
 
 
-def save_lora(model, path, record=None, state=None, dtype=None):
+def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False):
     """Write the adapters to one safetensors file (atomic, read back and compared) with rank, alpha and targets
     in diffusers' metadata, and `record` (base weights, stage...) in ours. `state` (e.g. an EMA of the adapters,
     in interchange names) replaces the model's own adapters and must have exactly their keys and shapes.
-    -> the file's size and sha256."""
+    `fold_alpha`: multiply the B matrices by alpha / rank and record alpha = rank, so loaders that read no alpha
+    (ComfyUI takes it only from `.alpha` tensors; a bare `load_lora_adapter` ignores the metadata) apply the
+    trained strength too. -> the file's size and sha256."""
     own = lora_state_dict(model)
     if state is None:
         state = own
     check_lora_fits(own, state)
+    config = lora_config(model)
+    scale = config["alpha"] / config["rank"] if fold_alpha else 1.0
+    if scale != 1.0:  # folded in fp32, before the cast to the file's dtype
+        state = {k: v.float() * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
+        config = {**config, "alpha": float(config["rank"])}
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
-    return write_safetensors(path, tensors, metadata=file_metadata(lora_config(model), record), float_dtype=dtype)
+    return write_safetensors(path, tensors, metadata=file_metadata(config, record), float_dtype=dtype)
 
 
 def read_lora_file(path):

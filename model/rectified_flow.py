@@ -57,16 +57,28 @@ def add_noise(x0, noise, s):
     return (1 - s) * x0 + s * noise
 
 
-def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", huber_c=0.03):
-    """Per-batch loss in fp32. weighting: none | sigma_sqrt (s^-2) | cosmap (2 / (pi (1 - 2s + 2s^2)))."""
+def mask_to_latents(mask, size):
+    """A [B, 1, H, W] image mask averaged down to the latents' size (h, w): each latent's share of the weight."""
+    return torch.nn.functional.adaptive_avg_pool2d(mask.float(), tuple(size))
+
+
+def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", huber_c=0.03, mask=None):
+    """Per-batch loss in fp32. weighting: none | sigma_sqrt (s^-2) | cosmap (2 / (pi (1 - 2s + 2s^2))). `mask`
+    [B, 1, H, W] (any size: averaged to the latents'): each sample's loss is its mask-weighted mean, so a zero
+    region gives no loss and no gradient."""
     target = (noise - x0).float()
     diff = pred.float() - target
     if loss_type == "mse":
-        per_sample = diff.pow(2).flatten(1).mean(1)
+        error = diff.pow(2)
     elif loss_type == "huber":  # pseudo-Huber: quadratic near zero, linear for large errors
-        per_sample = (torch.sqrt(diff.pow(2) + huber_c ** 2) - huber_c).flatten(1).mean(1)
+        error = torch.sqrt(diff.pow(2) + huber_c ** 2) - huber_c
     else:
         raise ValueError(f"unknown loss {loss_type!r}: use mse or huber")
+    if mask is None:
+        per_sample = error.flatten(1).mean(1)
+    else:
+        weight = mask_to_latents(mask.to(error.device), error.shape[-2:]).expand_as(error)
+        per_sample = (error * weight).flatten(1).sum(1) / weight.flatten(1).sum(1).clamp(min=1e-8)
     s = s.float()
     if weighting == "sigma_sqrt":
         w = s.clamp(min=1e-3) ** -2

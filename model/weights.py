@@ -6,8 +6,10 @@ from our manifests or from diffusers folders. LoRA files are found here by name 
     out/pretrain_tiny.stepNNNNNNNN.safetensors            the transformer, diffusers' key names
     out/pretrain_tiny.stepNNNNNNNN.components.safetensors the trained parts of the components (built-in text encoder)
     out/pretrain_tiny/transformer/                        the same transformer as a diffusers folder (v-prediction)
+    out/pretrain_tiny_single_file.safetensors             with --export_single_file: the original SD3 layout, bf16
     out/lora/lora_demo_tiny.safetensors                   a LoRA, in diffusers' LoRA format
 """
+import json
 import os
 
 import torch
@@ -22,8 +24,9 @@ from model.diffusers_io import (
 )
 from model.errors import UserError
 from model.model_lora import is_lora_file
-from model.file_io import json_digest, sha256_of
+from model.file_io import json_digest, sha256_of, write_safetensors
 from model.loading import TensorFiles, fill, meta_model
+from model.single_file import SingleFileTensors, is_single_file, single_file_state
 from model.model_sd3light import PRESETS, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,16 +89,40 @@ def check_pipeline_export(components, prediction):
                         "neither the built-in components nor a clean-image (x) prediction")
 
 
-def export_weights(stem, step, model, state, components, record, dtype, pipeline=False):
+def export_weights(stem, step, model, state, components, record, dtype, pipeline=False, single_file=False):
     """Our weights (save_weights), then, for v-prediction (diffusers reads the output as a velocity), the same file
-    as a diffusers transformer folder <stem>/transformer/, and with `pipeline` a whole pipeline folder around it
-    (SD3 components only). -> bytes written."""
+    as a diffusers transformer folder <stem>/transformer/, with `pipeline` a whole pipeline folder around it (SD3
+    components only), and with `single_file` the original SD3 layout in bf16 (single_file_path). -> bytes
+    written."""
     written = save_weights(stem, step, model, state, components.trained_state_dict(), record, dtype)
     if record["prediction"] == "v":
         written += export_diffusers(stem, model.config, step_file(stem, step, ".safetensors"),
                                     components.spec["path"] if pipeline else None,
                                     scheduler_settings(record["sampling"]))
+    if single_file:
+        written += save_single_file(single_file_path(stem), state, {**record, "kind": "weights", "step": step})
     return written
+
+
+def single_file_path(stem):
+    """Where --export_single_file writes: out/<run>_single_file.safetensors."""
+    return f"{stem}_single_file.safetensors"
+
+
+def check_single_file_export(prediction):
+    """--export_single_file is for tools that read the output as a velocity: one line now, not at the first save."""
+    if prediction != "v":
+        raise UserError("--export_single_file needs v-prediction weights: ComfyUI, Forge and diffusers read the "
+                        "output as a velocity, and these weights predict the clean image (x)")
+
+
+def save_single_file(path, state, record):
+    """The transformer in the original SD3 single-file layout (model/single_file.py), bf16, with our record in
+    its metadata (so --from_weight reads it back), written atomically and read back. -> bytes."""
+    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous().cpu()
+               for k, v in single_file_state(state).items()}
+    return write_safetensors(path, tensors, metadata={"minisd3": json.dumps(record)},
+                             float_dtype=torch.bfloat16)["bytes"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -122,6 +149,8 @@ def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
     another copy)."""
     if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
         return diffusers_source(name_or_path, base)
+    if os.path.isfile(name_or_path) and is_single_file(name_or_path):
+        return single_file_source(name_or_path, base)
     stem = resolve_weights(name_or_path, out_dir)
     record = read_manifest(stem, "weights")
     record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
@@ -134,6 +163,23 @@ def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
                             "ones")
         record["components"] = {**record["components"], "path": os.path.abspath(base)}
     return record
+
+
+def single_file_source(path, base=None):
+    """weights_source for a single file in the original SD3 layout that we exported (--export_single_file): its
+    record is in the file's metadata. The components are rebuilt from it (`base` replaces an SD3 folder)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        metadata = f.metadata() or {}
+    if "minisd3" not in metadata:
+        raise UserError(f"{path} is an SD3 single file without MiniSD3's record (its config and components): start "
+                        "from a diffusers folder of it instead (--from_weight base with --base)")
+    record = json.loads(metadata["minisd3"])
+    if base:
+        record["components"] = {**record["components"], "path": os.path.abspath(base)}
+    return {**record, "manifest": os.path.abspath(path), "weight_files": [path], "components_file": None,
+            "layout": "single_file"}
 
 
 def diffusers_source(folder, base=None):
@@ -188,7 +234,8 @@ def load_transformer(record, dtype=torch.float32, device="cpu", meta=False, afte
     if meta:
         return model
     try:
-        with TensorFiles(record["weight_files"]) as files:
+        with SingleFileTensors(record["weight_files"][0], list(model.state_dict())) if record.get(
+                "layout") == "single_file" else TensorFiles(record["weight_files"]) as files:
             return fill(model, files, dtype, device, after_block)
     except (OSError, ValueError, StateDictMismatchError) as e:
         raise UserError(f"{record['manifest']}: {str(e).splitlines()[0][:400]}") from None
@@ -236,7 +283,7 @@ def weights_identity(record, out_dir):
     manifest = os.path.abspath(record["manifest"])
     if os.path.dirname(manifest) == os.path.abspath(out_dir):
         manifest = os.path.basename(manifest)
-    if record["stage"] == "diffusers":  # a diffusers folder: hashed only when asked (16 GB for SD3.5-large)
+    if record["stage"] == "diffusers" or record.get("layout"):  # hashed only when asked (16 GB for SD3.5-large)
         return {"weights": manifest, "step": record["step"],
                 "sha256": json_digest([sha256_of(path) for path in record["weight_files"]])}
     transformer_file = os.path.basename(checkpoint_file(stem_of(record["manifest"]), record, ".safetensors"))

@@ -6,7 +6,8 @@ import torch
 from safetensors import safe_open
 
 from model.model_lora import (
-    LoRALinear, apply_lora, load_lora, lora_layers, lora_parameters, merge_lora, save_lora, unmerge_lora,
+    LoRALinear, apply_lora, load_lora, lora_layers, lora_parameters, merge_lora, read_lora_file, save_lora,
+    unmerge_lora,
 )
 from model.model_sd3light import SD3Light
 from tests.test_model_sd3light import inputs, random_config, randomise
@@ -132,3 +133,31 @@ def test_our_lora_file_loads_into_diffusers_and_matches_our_merged_model(tmp_pat
     theirs.disable_lora()
     with torch.no_grad():
         assert (theirs(*x).sample - got).abs().max() > 1e-3  # the adapter was applied, not ignored
+
+
+def test_a_folded_alpha_gives_every_loader_the_trained_strength(tmp_path):
+    """alpha != rank folded into B (what the stages export): loaders that read no alpha (ComfyUI reads it only
+    from .alpha tensors; a bare load_lora_adapter ignores the metadata) apply the strength that trained."""
+    from diffusers import SD3Transformer2DModel
+
+    model, x = model_and_inputs()
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_lora(model, ["attention", "ff", "adaln"], rank=4, alpha=2)
+    randomise_lora(model)
+    with torch.no_grad():
+        expected = model(*x)
+    path = tmp_path / "folded.safetensors"
+    save_lora(model, path, fold_alpha=True)
+    state, config, _ = read_lora_file(str(path))
+    assert config["rank"] == 4 and config["alpha"] == 4.0  # the scale is in B now
+
+    ours = randomise(SD3Light(random_config(0)).eval(), 0)
+    load_lora(ours, path)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(*x), expected, rtol=0, atol=1e-6)  # our sampler's loader
+
+    theirs = SD3Transformer2DModel(**random_config(0).to_dict()).eval()
+    theirs.load_state_dict(base, strict=True)
+    theirs.load_lora_adapter({k: v for k, v in state.items()}, prefix="transformer")  # no metadata at all
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(*x).sample, expected, rtol=0, atol=1e-5)

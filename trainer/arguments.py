@@ -156,6 +156,33 @@ def add_plumbing_args(parser, data="builtin"):
     return parser
 
 
+def add_data_args(parser):
+    """What a stage does with your images (--data a folder or .jsonl; dataset/samples.py), as kohya's sd-scripts
+    and OneTrainer do it, and the images held out for validation."""
+    a = parser.recipe.add_argument
+    a("--caption_prefix", default="", help="put before every caption, e.g. a trigger word: 'sks photo, '")
+    a("--caption_suffix", default="", help="put after every caption")
+    a("--caption_lines", default="each", choices=["each", "join"], help="a .txt of several lines: each line a "
+      "caption (an epoch draws one; each is cached), or the lines joined into one")
+    a("--random_flip", type=probability, default=0.0, help="the probability of mirroring an image left to right "
+      "(both are cached); leave 0 for text, logos, asymmetric subjects")
+    a("--shuffle_tags", type=switch, default=0, help="1 = shuffle the comma-separated tags of each caption per "
+      "sample and epoch, after the first --keep_tags (needs the text encoders each step: --cache 0)")
+    a("--keep_tags", type=non_negative_int, default=0, help="with --shuffle_tags: how many leading tags stay in "
+      "place (a trigger word from --caption_prefix counts as one)")
+    parser.identity.add_argument("--val_fraction", type=probability, default=0.0, help="hold out this fraction of "
+                                 "--data for validation, never trained on (e.g. 0.1)")
+
+
+def add_validation_args(parser):
+    """The validation loss while training: eval/eval_loss.py's fixed sigmas and noise on held-out images."""
+    a = parser.free.add_argument
+    a("--val_data", default=None, help="validation images: a folder, a .jsonl, or 'builtin' (the built-in held-out "
+      "split); or hold out part of --data with --val_fraction")
+    a("--val_interval", type=positive_int, default=100, help="steps between validation losses (and at the end)")
+    a("--val_samples", type=positive_int, default=64, help="at most this many validation images")
+
+
 def autocast_dtype(dtype, device):
     """--dtype as the autocast dtype on `device`, or None for plain fp32 (auto, fast: see model/precision.py; a run
     resolves it once at start, TrainingRun)."""

@@ -8,9 +8,10 @@ from trainer.arguments import autocast_dtype
 
 def flow_matching_loss(model, components, batch, generator, args):
     """Encode (or read) the batch, drop captions, noise the latents at sampled sigmas and score the model's
-    velocity. `generator` draws the dropout, the latent sample, the noise and the sigmas, in that order, so a
-    resumed run draws the same. The recipe comes from `args`: caption_dropout, sigma_scheme, logit_mean,
-    logit_std, train_shift, prediction, loss, weighting and dtype (autocast)."""
+    velocity (weighted by the batch's masks, if it has them). `generator` draws the dropout, the latent sample,
+    the noise and the sigmas, in that order, so a resumed run draws the same. The recipe comes from `args`:
+    caption_dropout, sigma_scheme, logit_mean, logit_std, train_shift, prediction, loss, weighting and dtype
+    (autocast)."""
     device = next(model.parameters()).device
     with torch.no_grad():
         if "latents" in batch:  # from the cache
@@ -30,4 +31,4 @@ def flow_matching_loss(model, components, batch, generator, args):
     dtype = autocast_dtype(args.dtype, device)
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, args.prediction)
-    return flow_loss(pred, latents, noise, s, args.loss, args.weighting)
+    return flow_loss(pred, latents, noise, s, args.loss, args.weighting, mask=batch.get("mask"))

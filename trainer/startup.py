@@ -22,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from dataset.training_data import (
-    check_image_sizes, features_to_train_on, make_components, sample_prompts_for, training_dataset,
+    check_image_sizes, epoch_samples, features_to_train_on, make_components, sample_prompts_for, split_validation,
+    training_dataset, validation_data,
 )
+from eval.eval_loss import encode_heldout
 from model.components import transformer_widths
 from model.errors import UserError
 from model.loading import meta_model
@@ -32,7 +34,9 @@ from model.memory import (
 )
 from model.model_sd3light import SD3LightConfig, preset_config
 from model.precision import int8_weights, torch_dtype
-from model.weights import check_pipeline_export, load_components, load_transformer, start_weights_source
+from model.weights import (
+    check_pipeline_export, check_single_file_export, load_components, load_transformer, start_weights_source,
+)
 
 ROLES = ("trained", "frozen", "adapted")
 
@@ -45,12 +49,17 @@ class Start:
     prompts: list
     record: dict  # the start weights' record; None for a fresh model
     config: SD3LightConfig
+    validation: list = None  # the validation images' encoded batches (eval/eval_loss.py), or None
 
 
-def default_data(args, components, config, log):
-    """--data and the grids' prompts (a file's, the built-in data's own, or captions of the user's data)."""
-    dataset = training_dataset(args, components, config.patch_size, log)
-    return dataset, sample_prompts_for(dataset, args.sample_prompts)
+def default_data(args, components, config, log, extra=None):
+    """--data as an epoch shows it (with `extra(args, components, config, log)`'s parts beside it, e.g. LoRA's
+    prior data), the grids' prompts (a file's, the built-in data's own, or captions of the user's data) and the
+    validation images (--val_data, or --val_fraction of --data held out)."""
+    dataset, held_out = split_validation(args, training_dataset(args, components, config.patch_size, log))
+    prompts = sample_prompts_for(dataset, args.sample_prompts)
+    parts = [dataset] + (extra(args, components, config, log) if extra else [])
+    return epoch_samples(args, parts, log), prompts, validation_data(args, held_out, log)
 
 
 def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, record=None):
@@ -75,12 +84,16 @@ def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, 
         args.prediction = record["prediction"]
         components, config = load_components(record, info.device, frozen), SD3LightConfig.from_dict(
             record["transformer"])
-    dataset, prompts = data(args, components, config, run.log)
+    dataset, prompts, held_out = data(args, components, config, run.log)
     check_image_sizes(args.resolution, dataset, meta_model(config), components)
     if getattr(args, "export_pipeline", False):
         check_pipeline_export(components, args.prediction)
+    if getattr(args, "export_single_file", False):
+        check_single_file_export(args.prediction)
+    validation = None if held_out is None else encode_heldout(  # while the text encoders are in memory
+        components, held_out, args.val_samples, args.batch_size, info.device)
     dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
-    start = Start({}, components, dataset, prompts, record, config)
+    start = Start({}, components, dataset, prompts, record, config, validation)
     if dataset is None:  # --cache_only: the cache is built, no weights are needed
         return start
     log_estimate(args, info, config, roles, adapt, components, run.log)

@@ -33,8 +33,8 @@ from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import export_weights, run_name, start_weights_source, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, non_negative_float, non_negative_int,
-    positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_plumbing_args, add_validation_args, autocast_dtype, decay,
+    non_negative_float, non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.distillation import (  # noqa: E402
     GANHead, Networks, distillation_losses, generator_sigmas, generator_step,
@@ -93,6 +93,11 @@ def parse_args(argv=None):
     free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
                       "pipeline folder whose scheduler samples the generator's steps (needs --base and "
                       "v-prediction)")
+    free.add_argument("--export_single_file", action="store_true", help="also write out/<run>_single_file"
+                      ".safetensors: the original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and "
+                      "diffusers' from_single_file (needs v-prediction)")
+    add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
+    add_validation_args(parser)
     add_plumbing_args(parser)
     return parser.parse_args(argv)
 
@@ -129,7 +134,7 @@ def main(argv=None):
     if nets.dataset is None:  # --cache_only: the cache is built
         return
     teacher, generator, fake = nets.nets["teacher"], nets.nets["generator"], nets.nets["fake_score"]
-    components, dataset, prompts = nets.components, nets.dataset, nets.prompts
+    components, dataset, prompts, validation = nets.components, nets.dataset, nets.prompts, nets.validation
     teacher.eval()
 
     # DDP or FSDP for each network (the teacher sharded, not wrapped); AdamW for the generator, the fake score and
@@ -151,14 +156,14 @@ def main(argv=None):
         record = run.weights_record(generator.config, components, teacher=teacher_identity,
                                     teacher_sampling=start["sampling"], generator_sigmas=sigmas)
         return export_weights(stem, step, generator, weights, components, record, SAVE_DTYPES[args.save_dtype],
-                              args.export_pipeline)
+                              args.export_pipeline, args.export_single_file)
 
     def sample_model():
         return ema.swapped_in(generator) if ema else contextlib.nullcontext(generator)
 
     run.start(dataset, components, prompts, manifest_path(stem), exported=ema or generator,
               identity={"kind": "distill", "teacher": teacher_identity}, first_grid=sample_model,
-              generator=generator, fake_score=fake, gan_head=head, ema=ema,
+              generator=generator, fake_score=fake, gan_head=head, ema=ema, validation=validation,
               **{f"{name}_optimizer": NamedOptimizerState(net, optimizers[name]) if net is not None else None
                  for name, net in trained.items()})
     # Each step: the generator draws (from its step k, backward simulation) -> the fake score's flow loss (and the

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
+from dataset.training_data import validation_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
@@ -41,8 +42,8 @@ from model.weights import (  # noqa: E402
     export_weights, lora_file, lora_run_name, run_name, start_weights_source, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
-    non_negative_int, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_plumbing_args, add_validation_args, autocast_dtype, decay, finite_float,
+    non_negative_float, non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
 from trainer.startup import start_up  # noqa: E402
@@ -106,6 +107,10 @@ def parse_args(argv=None):
     free.add_argument("--sample_shift", type=positive_float, default=3.0)
     free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
                       "pipeline folder (all weights tuned; needs --base and v-prediction)")
+    free.add_argument("--export_single_file", action="store_true", help="also write out/<run>_single_file"
+                      ".safetensors: the original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and "
+                      "diffusers' from_single_file (needs v-prediction)")
+    add_validation_args(parser)  # --val_data: images, scored by the policy's flow loss
     add_plumbing_args(parser, data=None)
     parser.set_defaults(save_interval=100, sample_interval=0)
     return parser.parse_args(argv)
@@ -148,7 +153,7 @@ def main(argv=None):
 
     def data(args, components, config, log):
         pairs = preference_data(args, components, source["sampling"], log)
-        return pairs, pairs.sample_prompts()
+        return pairs, pairs.sample_prompts(), validation_data(args, None, log)
 
     roles = {"model": "adapted"} if args.lora_rank else {"model": "trained", "reference": "frozen"}
     start = start_up(args, info, run, roles, data=data, adapt=adapt, record=source)
@@ -176,10 +181,11 @@ def main(argv=None):
     def export(step, weights):  # the policy (its EMA if on): whole weights, or the adapters naming their base
         if args.lora_rank:
             record = run.weights_record(model.config, components, step=step, base=start_identity)
-            return save_lora(model, output, record, state=weights, dtype=SAVE_DTYPES[args.save_dtype])["bytes"]
+            return save_lora(model, output, record, state=weights, dtype=SAVE_DTYPES[args.save_dtype],
+                             fold_alpha=True)["bytes"]
         record = run.weights_record(model.config, components, started_from=start_identity)
         return export_weights(os.path.join(args.out_dir, run.name), step, model, weights, components, record,
-                              SAVE_DTYPES[args.save_dtype], args.export_pipeline)
+                              SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
 
     def sample_model():
         return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
@@ -187,7 +193,8 @@ def main(argv=None):
     pool = dataset if isinstance(dataset, PairPool) else None
     run.start(dataset, components, prompts, output, exported=ema or trained, first_grid=sample_model,
               identity={"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start_identity}, model=trained,
-              optimizer=NamedOptimizerState(model, optimizer), ema=ema, pairs=pool)
+              optimizer=NamedOptimizerState(model, optimizer), ema=ema, pairs=pool,
+              validation=start.validation)
     avoid = [spec["caption"] for spec in all_prompts(PROMPTS_PER_TASK)]  # the scored prompts never become pairs
     # Each step: (builtin pairs: a new round of pairs every --pair_refresh steps) -> this rank's micro-batches of
     # pairs -> the DPO loss -> backward, accumulated -> NaN guard, clipping, AdamW step, EMA -> metrics; saves

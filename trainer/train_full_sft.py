@@ -27,8 +27,8 @@ from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
 from model.weights import export_weights, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
-    non_negative_int, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_plumbing_args, add_validation_args, autocast_dtype, decay,
+    finite_float, non_negative_float, non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
@@ -78,6 +78,11 @@ def parse_args(argv=None):
     free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
                       "pipeline folder (needs --base and v-prediction); out/<run>/transformer/ is always written "
                       "for v-prediction")
+    free.add_argument("--export_single_file", action="store_true", help="also write out/<run>_single_file"
+                      ".safetensors: the original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and "
+                      "diffusers' from_single_file (needs v-prediction)")
+    add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
+    add_validation_args(parser)
     add_plumbing_args(parser)
     return parser.parse_args(argv)
 
@@ -112,13 +117,14 @@ def main(argv=None):
         record = run.weights_record(model.config, components, started_from={"weights": origin["manifest"],
                                                                             "step": origin["step"]})
         return export_weights(stem, step, model, weights, components, record, SAVE_DTYPES[args.save_dtype],
-                              args.export_pipeline)
+                              args.export_pipeline, args.export_single_file)
 
     def sample_model():
         return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
 
     run.start(dataset, components, prompts, manifest_path(stem), exported=ema or model, first_grid=sample_model,
-              model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)  # step 0: the starting weights
+              model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema,
+              validation=start.validation)  # step 0: the starting weights
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):

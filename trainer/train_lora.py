@@ -32,8 +32,8 @@ from model.model_sd3light import PRESETS  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
 from model.weights import lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_plumbing_args, autocast_dtype, decay, finite_float, non_negative_float,
-    non_negative_int, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_plumbing_args, add_validation_args, autocast_dtype, decay,
+    finite_float, non_negative_float, non_negative_int, positive_float, positive_int, probability,
 )
 from trainer.flow_matching import flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
@@ -89,22 +89,26 @@ def parse_args(argv=None):
     free.add_argument("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
     free.add_argument("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")
     free.add_argument("--sample_shift", type=positive_float, default=3.0)
+    add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
+    add_validation_args(parser)
     add_plumbing_args(parser, data="builtin:white")
     # fp32 files: adapters are small, and diffusers applies them exactly; a grid at the end only; saves every 100
     parser.set_defaults(save_dtype="fp32", sample_interval=0, save_interval=100)
     return parser.parse_args(argv)
 
 
-def with_prior_data(args, dataset, components, patch_size, log):
-    """--data, with --prior_data alongside it (auto: the built-in shapes for built-in --data, none for yours)."""
+def prior_data(args, components, config, log):
+    """--prior_data as parts trained alongside --data (auto: the built-in shapes for built-in --data, none for
+    yours)."""
     prior = args.prior_data
     if prior == "auto":
         prior = "builtin" if args.data.startswith("builtin") else "none"
     if prior == "none":
-        return dataset
-    prior_dataset = training_dataset(args, components, patch_size, log, data=prior, num_samples=args.prior_samples)
+        return []
+    prior_dataset = training_dataset(args, components, config.patch_size, log, data=prior,
+                                     num_samples=args.prior_samples)
     log(f"prior preservation: the {len(prior_dataset)} samples of {prior} train alongside {args.data}")
-    return torch.utils.data.ConcatDataset([dataset, prior_dataset])
+    return [prior_dataset]
 
 
 def main(argv=None):
@@ -124,8 +128,7 @@ def main(argv=None):
             raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
 
     def data(args, components, config, log):
-        dataset, prompts = default_data(args, components, config, log)
-        return with_prior_data(args, dataset, components, config.patch_size, log), prompts
+        return default_data(args, components, config, log, extra=prior_data)
 
     start = start_up(args, info, run, {"model": "adapted"}, data=data, adapt=adapt)
     if start.dataset is None:  # --cache_only: the cache is built
@@ -145,14 +148,16 @@ def main(argv=None):
 
     def export(step, weights):  # the adapters (their EMA if on) in diffusers' LoRA format, naming the base weights
         record = run.weights_record(model.config, components, step=step, base=base_identity)
-        return save_lora(model, path, record, state=weights, dtype=SAVE_DTYPES[args.save_dtype])["bytes"]
+        return save_lora(model, path, record, state=weights, dtype=SAVE_DTYPES[args.save_dtype],
+                         fold_alpha=True)["bytes"]
 
     def sample_model():  # the grids show what is exported: the adapters' EMA swapped in while they are drawn
         return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
 
     run.start(dataset, components, prompts, path, exported=ema or adapters, identity={"kind": "lora",
               "base": base_identity}, first_grid=sample_model, model=adapters,
-              optimizer=NamedOptimizerState(model, optimizer), ema=ema)  # step 0: the base model
+              optimizer=NamedOptimizerState(model, optimizer), ema=ema,
+              validation=start.validation)  # step 0: the base model
     # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
     # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):

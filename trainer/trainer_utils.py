@@ -231,8 +231,10 @@ def find_resume(from_resume, default_stem, info):
     return stem, state
 
 
-# What runs saved before an argument existed did, by its name: their frozen transformers were held in fp32.
-EARLIER_VALUES = {"frozen_dtype": "fp32"}
+# What runs saved before an argument existed did, by its name: their frozen transformers were held in fp32, and
+# their captions were read whole, unprefixed, unshuffled, unflipped, with no images held out.
+EARLIER_VALUES = {"frozen_dtype": "fp32", "caption_prefix": "", "caption_suffix": "", "caption_lines": "join",
+                  "random_flip": 0.0, "shuffle_tags": 0, "keep_tags": 0, "val_fraction": 0.0}
 
 
 def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=False):

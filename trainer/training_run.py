@@ -32,7 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dataset.buckets import bucket_layout
 from dataset.samplers import BucketSampler, make_sampler
+from dataset.samples import epoch_view
 from dataset.training_data import warn_truncated
+from eval.eval_loss import heldout_losses
+from eval.plot_metrics import plot_runs
 from eval.sampling import sample_images, save_grid
 from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
@@ -81,7 +84,7 @@ class TrainingRun:
         self.global_batch = args.batch_size * args.accumulation_steps * info.world_size
         self.step = self.epoch = self.consumed = self.samples_seen = self.nan_streak = 0
         self.plan_batch, self.wandb_id, self.bar, self.wandb_run = self.global_batch, None, None, None
-        self.stop, self.skipped, self.ids, self.resumed = False, False, [], False
+        self.stop, self.skipped, self.ids, self.resumed, self.last_val = False, False, [], False, None
         self.stop_signal = StopSignal()
         # --dtype auto or fast decided once, here (fast on a CPU measures whether bf16 pays); saved with the args
         self.dtype_given = args.dtype
@@ -112,12 +115,15 @@ class TrainingRun:
     # ------------------------------------------------------------------------------------------------------------
     # Start: resume or start fresh, and plan
 
-    def start(self, dataset, components, prompts, output, exported, identity=None, first_grid=None, **tracked):
+    def start(self, dataset, components, prompts, output, exported, identity=None, first_grid=None, validation=None,
+              **tracked):
         """Resume the named `tracked` objects from the resume checkpoint if asked (else start fresh) and plan the
         run over `dataset`. `output`: what the stage exports (its manifest or file); `exported`: whose state_dict()
         the export writes; `identity`: what is trained, which a resume must match (by default the whole model);
         `first_grid`: a fresh run draws a step-0 sample grid with `first_grid()` (a fine-tune's starting weights,
-        to compare with)."""
+        to compare with); `validation`: the validation images, encoded (start_up's), scored every --val_interval
+        steps."""
+        self.validation = validation
         if len(dataset) < self.global_batch:
             raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
                             f"({self.global_batch} = batch_size x accumulation_steps x processes): lower --batch_size")
@@ -247,8 +253,8 @@ class TrainingRun:
                 # this rank's share of the rest of the epoch; the loader has its own generator: torch's stream untouched
                 batches = self.sampler.rank_batches(self.epoch, self.consumed, a.batch_size, self.global_batch)
                 loader = zip(batches, torch.utils.data.DataLoader(
-                    self.dataset, batch_sampler=batches, num_workers=a.num_workers, worker_init_fn=ignore_sigint,
-                    generator=torch.Generator().manual_seed(a.seed)))
+                    epoch_view(self.dataset, self.epoch), batch_sampler=batches, num_workers=a.num_workers,
+                    worker_init_fn=ignore_sigint, generator=torch.Generator().manual_seed(a.seed)))
                 while not (self.finished or self.stop) and self.sampler.steps_left(self.consumed, self.global_batch):
                     self.step, self.skipped, self.ids = self.step + 1, False, []
                     yield self._micro_batches(loader, models)
@@ -328,6 +334,8 @@ class TrainingRun:
             per_rank = [None] * self.info.world_size
             dist.all_gather_object(per_rank, self.ids)
             self.ids = [i for rank_ids in per_rank for i in rank_ids]
+        if self.validation and (self.step % self.args.val_interval == 0 or self.finished):
+            metrics["val_loss"] = self.validate(sample_model)
         if not self.skipped:
             self._write_metrics(metrics)
         if self.bar is not None:
@@ -349,8 +357,9 @@ class TrainingRun:
             row["sample_ids"] = self.ids
         with open(self.metrics_path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in metrics.items()
-                 if name != "grad_norm" and isinstance(value, float)}
+        self.last_val = metrics.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
+        shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in
+                 {**metrics, "val_loss": self.last_val}.items() if name != "grad_norm" and isinstance(value, float)}
         self.bar.set_postfix(shown, img_s=f"{images_per_s:.0f}")
         if self.wandb_run is not None:
             self.wandb_run.log(row, step=self.step)
@@ -393,6 +402,32 @@ class TrainingRun:
         written += export(self.step, weights)
         self.log(f"saved step {self.step}: {written / 1e6:.0f} MB written and verified in "
                  f"{time.perf_counter() - t0:.1f} s")
+        self.plot()
+
+    def validate(self, sample_model):
+        """The validation loss of what is exported and sampled (`sample_model()`, e.g. the EMA swapped in):
+        eval/eval_loss.py's mean over its fixed sigmas and noise, so the two agree on the same weights. Rank 0
+        alone, or every rank of a sharded run (each forward gathers the shards)."""
+        if not (self.info.is_main or self.info.sharded):
+            return None
+        with sample_model() as model:
+            was_training = model.training
+            model.eval()
+            losses = heldout_losses(model, self.validation, self.args.prediction, self.args.seed,
+                                    autocast_dtype(self.args.dtype, self.device))
+            model.train(was_training)
+        return sum(losses.values()) / len(losses)
+
+    def plot(self):
+        """The run's curves so far (eval/plot_metrics.py) beside its sample grids; a failure is a warning, never
+        the end of training."""
+        path = os.path.join(self.args.out_dir, "samples", f"{self.name}_metrics.png")
+        try:
+            plot_runs([self.metrics_path], path, title=f"{self.name} (step {self.step})")
+        except Exception as e:  # a plot is a convenience: the weights are saved already
+            self.log(f"warning: could not draw {path}: {' '.join(str(e).split())[:200]}")
+            return
+        self.log(f"curves: {path}")
 
     def weights_record(self, config, components, **extra):
         """What the exported weights' manifest records: how to rebuild and sample them, and the run's arguments."""
