@@ -313,10 +313,13 @@ def main():
     parser.add_argument("--n", type=int, default=64, help="number of samples (indices 0..n-1)")
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--colors", default=None, help="only these colours, comma separated (e.g. white, which "
+                        "the default data never shows)")
     parser.add_argument("--grid", default=None, help="also write all samples tiled into this one PNG")
     args = parser.parse_args()
 
-    dataset = ShapesDataset(args.split, args.n, args.resolution, args.seed)
+    dataset = ShapesDataset(args.split, args.n, args.resolution, args.seed,
+                            colors=args.colors.split(",") if args.colors else None)
     os.makedirs(args.out, exist_ok=True)
     kinds, held_out, images = Counter(), 0, []
     for i in range(len(dataset)):

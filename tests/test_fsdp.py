@@ -364,3 +364,31 @@ def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_
     with pytest.raises(RuntimeError, match=r"writing the shards of .*run.step00000002.dcp failed: rank 0: .* read "
                                            r"back with a different model/a"):
         write_shards(str(tmp_path / "run.step00000002.dcp"), tensors, DistInfo())
+
+
+@pytest.mark.slow
+def test_own_data_with_validation_shards_like_ddp(tmp_path):
+    """A folder with repeats, a trigger word, flips, caption lines and a mask, validated every step: FSDP logs the
+    validation loss DDP logs and exports what DDP exports, the single file included."""
+    from tests.test_own_data import CAT, noise_image, save_png
+
+    data = tmp_path / "data"
+    for i, caption in enumerate(CAT):
+        save_png(str(data / "3_cat" / f"cat{i}.png"), noise_image(i))
+        (data / "3_cat" / f"cat{i}.txt").write_text(caption)
+        save_png(str(data / "1_misc" / f"misc{i}.png"), noise_image(10 + i))
+    save_png(str(data / "3_cat" / "cat0.mask.png"), noise_image(5)[..., 0])
+    args = RECIPE[:1] + RECIPE[3:] + ["--data", str(data), "--caption_prefix", "sks, ", "--random_flip", "0.5",
+                                      "--val_fraction", "0.25", "--val_interval", "1", "--max_steps", "3",
+                                      "--export_single_file"]
+    runs = {mode: tmp_path / mode for mode in ("fsdp2", "ddp2")}
+    for mode, folder in runs.items():
+        run(args + MODES[mode][1] + folders(folder), torchrun=2)
+    sharded, reference = metrics(runs["fsdp2"]), metrics(runs["ddp2"])
+    assert [r["sample_ids"] for r in sharded] == [r["sample_ids"] for r in reference]
+    assert [r["val_loss"] for r in sharded] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
+    single = {mode: load_safetensors(str(folder / "out" / "pretrain_tiny_single_file.safetensors"))
+              for mode, folder in runs.items()}
+    assert single["fsdp2"].keys() == single["ddp2"].keys()
+    for key, value in single["fsdp2"].items():
+        assert (value.float() - single["ddp2"][key].float()).abs().max() <= 1e-2, key  # bf16 of fp32 within 1e-5

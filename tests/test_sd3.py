@@ -1,7 +1,9 @@
 """Real SD3 components (a tiny SD3 folder built here, no download): every stage trains on them through the
 cache, the cache is reused and rebuilt when it should be, and what we export is what diffusers samples."""
 import json
+import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -110,7 +112,9 @@ def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diff
     out = tmp_path / "out"
     assert (out / "sft_sd3-tiny" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     # the cache of the same data and components is shared between stages
-    lora = run(["trainer/train_lora.py", *common, "--prior_data", "none", "--learning_rate", "0.05"])
+    # alpha != rank (8): the file folds the scale into B, and diffusers must apply the strength ours does
+    lora = run(["trainer/train_lora.py", *common, "--prior_data", "none", "--learning_rate", "0.05", "--lora_alpha",
+                "4"])
     assert "reusing 8 samples" in lora.stdout
     lora_path = out / "lora" / "lora_demo_sd3-tiny.safetensors"
 
@@ -232,3 +236,23 @@ def test_a_preset_sets_the_size_and_the_components_set_the_widths(tmp_path, sd3,
         run_in_process(train_full_sft, ["--base", four, "--from_weight", str(tmp_path / "out16" / "pretrain_tiny.json"),
                                         "--max_steps", "1", "--out_dir", str(tmp_path / "sft")], monkeypatch)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.slow
+def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_path, sd3, photos):
+    folder = tmp_path / "data" / "3_photos"  # seen three times an epoch
+    shutil.copytree(photos, folder)
+    Image.fromarray(np.full((40, 40), 255, np.uint8)).save(folder / "p3.mask.png")
+    args = ["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--data", str(tmp_path / "data"),
+            "--caption_prefix", "sks, ", "--random_flip", "0.5", "--val_fraction", "0.2", "--val_interval", "1",
+            *FAST, *dirs(tmp_path)]
+    first = run(args)
+    # 4 images train (one held out), 3 times an epoch; each is cached as it is and mirrored, with the mask's latents
+    assert "an epoch shows 12 samples drawn from 8 variants" in first.stdout
+    assert "validation: 1 images of --data every 1 steps" in first.stdout
+    second = run(args)
+    assert "reusing 8 samples" in second.stdout
+    with open(tmp_path / "out" / "lora_demo_sd3-tiny_metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["val_loss"]) for row in rows)
+    assert (tmp_path / "out" / "samples" / "lora_demo_sd3-tiny_metrics.png").is_file()

@@ -65,8 +65,8 @@ def default_data(args, components, config, log, extra=None):
 def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, record=None):
     """The networks `roles` names ({name: "trained" | "frozen" | "adapted"}), from --from_weight (or new ones,
     `fresh(config)`, of --preset's size on the components' widths, every rank drawing the same), with the
-    components, the data (`data(args, components, config, log)` -> (dataset, prompts)) and the cache, in the
-    phases above. `record`: the start weights' record, if the stage has read it (start_weights_source) for its
+    components, the data (`data(args, components, config, log)` -> (dataset, prompts, validation images or
+    None)) and the cache, in the phases above. `record`: the start weights' record, if the stage has read it (start_weights_source) for its
     recipe. Sets args.prediction to what the start weights predict. -> Start."""
     bad = [role for role in roles.values() if role not in ROLES]
     if bad or ("adapted" in roles.values() and adapt is None):
