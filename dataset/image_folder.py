@@ -344,7 +344,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         summary = (f"dataset {self.path}: {len(self.items)} images, {skipped}{ignored}, {self.uncaptioned} without "
                    "caption")
         if sum(self.repeats) != len(self.items):
-            summary += f", {sum(self.repeats)} samples an epoch with repeats"
+            summary += f", {sum(self.repeats)} samples an epoch with repeats{self._repeat_folders()}"
         several = [len(c) for c in self.captions if len(c) > 1]
         if several:
             summary += f", {len(several)} with several captions ({sum(several)} in all)"
@@ -354,6 +354,16 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             counts = [(size, self.bucket_of.count(i)) for i, size in enumerate(self.bucket_sizes)]
             summary += ", buckets " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in counts if n)
         return summary
+
+    def _repeat_folders(self):
+        """' (3_cat: 20 images x 3, ...)' for a folder's N_ subfolders, so that a '2023_trip' is noticed."""
+        if not os.path.isdir(self.path):
+            return ""
+        folders = Counter()
+        for (image, _), repeats in zip(self.items, self.repeats):
+            folders[(os.path.relpath(image, self.path).split(os.sep)[0], repeats)] += 1
+        named = [f"{name}: {n} images x {repeats}" for (name, repeats), n in sorted(folders.items()) if repeats > 1]
+        return f" ({', '.join(named[:MAX_NAMES_LISTED])})"
 
     def __len__(self):
         return len(self.items)

@@ -252,6 +252,9 @@ def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_p
     assert "validation: 1 images of --data every 1 steps" in first.stdout
     second = run(args)
     assert "reusing 8 samples" in second.stdout
+    third = run(args[:args.index("--caption_prefix")] + args[args.index("--caption_prefix") + 2:] +
+                ["--out_dir", str(tmp_path / "out3"), "--save_dir", str(tmp_path / "ckpt3")])
+    assert "is stale (changed: captions" in third.stdout  # no trigger word: other text features, encoded again
     with open(tmp_path / "out" / "lora_demo_sd3-tiny_metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
     assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["val_loss"]) for row in rows)
