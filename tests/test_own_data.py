@@ -223,8 +223,9 @@ def test_own_data_lora_stops_and_resumes_bitwise_with_validation(tmp_path, base,
     whole, cut = lora_final(tmp_path / "whole"), lora_final(tmp_path / "cut")
     for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
-    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 9))
-    assert [r["step"] for r in whole["logged"] if "val_loss" in r] == [2, 4, 6, 8]  # and at the end
+    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(0, 9))
+    # the base model's at step 0, then every --val_interval steps and at the end
+    assert [r["step"] for r in whole["logged"] if "val_loss" in r] == [0, 2, 4, 6, 8]
     plot = tmp_path / "whole" / "out" / "samples" / "lora_demo_tiny_metrics.png"
     assert plot.is_file()
     # alpha 4 on rank 8 is folded into B: the file says alpha = rank, and every loader applies the same strength

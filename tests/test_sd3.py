@@ -257,5 +257,5 @@ def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_p
     assert "is stale (changed: captions" in third.stdout  # no trigger word: other text features, encoded again
     with open(tmp_path / "out" / "lora_demo_sd3-tiny_metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
-    assert [row["step"] for row in rows] == [1, 2] and all(math.isfinite(row["val_loss"]) for row in rows)
+    assert [row["step"] for row in rows] == [0, 1, 2] and all(math.isfinite(row["val_loss"]) for row in rows)
     assert (tmp_path / "out" / "samples" / "lora_demo_sd3-tiny_metrics.png").is_file()

@@ -272,7 +272,8 @@ def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=Fa
 
 
 def truncate_metrics(path, step):
-    """Drop metric rows past `step` (0 for a fresh run), and a last line cut short by a kill."""
+    """Drop metric rows past `step` (-1 for a fresh run: all of them, its step-0 row too), and a last line cut
+    short by a kill."""
     if not os.path.exists(path):
         return
     rows = []

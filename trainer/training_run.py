@@ -144,6 +144,8 @@ class TrainingRun:
         self._open_logs()
         if first_grid is not None and not self.resumed:
             self.sample_grid(first_grid)
+            if self.validation:  # the starting weights' validation loss: what a fine-tune must improve on
+                self._write_row({"step": 0, "epoch": 0, "val_loss": self.validate(first_grid), "samples_seen": 0})
 
     def _resume(self, state, where):
         saved_plan = self._planned_steps(argparse.Namespace(**state["args"]))
@@ -211,7 +213,7 @@ class TrainingRun:
         a = self.args
         if self.info.is_main:  # rows past this step belong to an earlier run, or to the lost tail of the resumed one
             os.makedirs(a.out_dir, exist_ok=True)
-            truncate_metrics(self.metrics_path, self.step)
+            truncate_metrics(self.metrics_path, self.step if self.resumed else -1)  # a fresh run keeps no row
         if a.use_wandb and self.info.is_main:
             import wandb
 
@@ -328,6 +330,7 @@ class TrainingRun:
         """Count the step's samples, write its metrics (unless its update was skipped), then save (the resume
         checkpoint, then `export(step, weights)`) and draw a sample grid with `sample_model()` when due:
         every --save_interval / --sample_interval steps, at the end, and (saving only) on a stop signal."""
+        images_per_s = self.global_batch / (time.perf_counter() - self.t_last)  # validation, saves, grids: not timed
         self._open_bar()
         self.consumed, self.samples_seen = self.consumed + self.global_batch, self.samples_seen + self.global_batch
         if self.args.log_sample_ids and self.info.world_size > 1:
@@ -337,7 +340,7 @@ class TrainingRun:
         if self.validation and (self.step % self.args.val_interval == 0 or self.finished):
             metrics["val_loss"] = self.validate(sample_model)
         if not self.skipped:
-            self._write_metrics(metrics)
+            self._write_metrics(metrics, images_per_s)
         if self.bar is not None:
             self.bar.update(1)
         if self.step % self.args.save_interval == 0 or self.finished or self.stop:
@@ -345,24 +348,29 @@ class TrainingRun:
         if not self.stop and ((self.args.sample_interval and self.step % self.args.sample_interval == 0)
                               or self.finished):
             self.sample_grid(sample_model)
+        self.t_last = time.perf_counter()
 
-    def _write_metrics(self, metrics):
-        now = time.perf_counter()
-        images_per_s, self.t_last = self.global_batch / (now - self.t_last), now
+    def _write_metrics(self, metrics, images_per_s):
         if not self.info.is_main:
             return
         row = {"step": self.step, "epoch": self.epoch, **metrics, "images_per_s": images_per_s,
                "samples_seen": self.samples_seen}
         if self.args.log_sample_ids:
             row["sample_ids"] = self.ids
-        with open(self.metrics_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        self._write_row(row)
         self.last_val = metrics.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
         shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in
                  {**metrics, "val_loss": self.last_val}.items() if name != "grad_norm" and isinstance(value, float)}
         self.bar.set_postfix(shown, img_s=f"{images_per_s:.0f}")
+
+    def _write_row(self, row):
+        """One row of the metrics file (rank 0), and to wandb."""
+        if not self.info.is_main:
+            return
+        with open(self.metrics_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log(row, step=self.step)
+            self.wandb_run.log(row, step=row["step"])
 
     # ------------------------------------------------------------------------------------------------------------
     # Saving, sample grids, the end
