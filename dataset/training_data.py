@@ -261,7 +261,8 @@ def features_to_train_on(args, dataset, components, prompts, info, log):
                         "--cache 0 (the text encoders then stay in memory and encode each step)")
     cache = cached_dataset(args, dataset, components, info, log)
     if args.cache_only:
-        log(f"--cache_only: the cache of {len(cache)} samples is ready in {cache.folder}")
+        features = getattr(cache, "source", cache)  # the cache itself, under an epoch's slots (EpochSamples)
+        log(f"--cache_only: the cache of {len(features)} samples is ready in {features.folder}")
         return None
     if hasattr(components, "free_text_encoders"):
         components.free_text_encoders(prompts)  # their memory is the transformer's now
