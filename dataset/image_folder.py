@@ -138,8 +138,7 @@ class CaptionOptions:
             raw = [clean_caption(line) for line in (text or "").splitlines()]
         else:
             raw = [clean_caption(text or "")]
-        raw = [c for c in raw if c] or [""]
-        return [clean_caption(self.prefix + c + self.suffix) if self.prefix or self.suffix else c for c in raw]
+        return [clean_caption(self.prefix + c + self.suffix) for c in [c for c in raw if c] or [""]]
 
 
 def is_mask_file(path):
@@ -156,20 +155,27 @@ def mask_beside(path):
     return None
 
 
-def folder_repeats(root, path, odd):
-    """kohya's repeats: the top folder of `path` under `root` named N_name is seen N times an epoch. A name that
-    starts with a digit but is no N_ prefix goes into `odd` (it is seen once); 0_ is an error."""
-    top = os.path.relpath(path, root).split(os.sep)[0]
-    if top == os.path.basename(path):
-        return 1
-    match = REPEATS_FOLDER.fullmatch(top)
-    if match:
-        if int(match.group(1)) == 0:
+def top_folder(root, path):
+    """The folder right under `root` that holds `path`, or None for a file in `root` itself."""
+    parts = os.path.relpath(path, root).split(os.sep)
+    return parts[0] if len(parts) > 1 else None
+
+
+def folder_repeats(root, paths):
+    """kohya's repeats: an image under a top folder named N_name is seen N times an epoch. -> (repeats per path,
+    the top folders seen once for want of a prefix: beside N_ folders every other one, else those whose name
+    starts with a digit but is no N_ prefix). A 0_ folder is an error."""
+    tops = [top_folder(root, path) for path in paths]
+    counts = {}
+    for top in set(tops) - {None}:
+        match = REPEATS_FOLDER.fullmatch(top)
+        if match and int(match.group(1)) == 0:
             raise DatasetError(f"folder {os.path.join(root, top)}: a 0_ prefix would never show its images; "
                                "rename it 1_... (or more) or move it out of the data")
-        return int(match.group(1))
-    odd.add(top)
-    return 1
+        counts[top] = int(match.group(1)) if match else None
+    prefixed = any(counts.values())
+    odd = sorted(top for top, n in counts.items() if n is None and (prefixed or top[:1].isdigit()))
+    return [counts.get(top) or 1 for top in tops], odd
 
 
 def find_images(root):
@@ -272,26 +278,26 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         self.bucket_sizes = [(int(w), int(h)) for w, h in buckets] if self.bucketed else [(self.resolution,) * 2]
         if not self.bucket_sizes or min(min(size) for size in self.bucket_sizes) < 1:
             raise ValueError(f"buckets must be a non-empty list of positive (width, height) sizes, got {buckets!r}")
-        candidates, self.odd_folders = self._candidates(path), set()
-        if os.path.isdir(path):  # (image, caption text) -> with repeats from the N_ folders and masks beside
-            candidates = [(p, text, folder_repeats(path, p, self.odd_folders), mask_beside(p))
-                          for p, text in candidates]
-            if not any(repeats > 1 for _, _, repeats, _ in candidates) and not any(
-                    REPEATS_FOLDER.fullmatch(os.path.relpath(p, path).split(os.sep)[0]) for p, *_ in candidates):
-                self.odd_folders = {f for f in self.odd_folders if f[:1].isdigit()}  # no N_ folders: names only
-        options = captions or CaptionOptions()
+        candidates, self.odd_folders = self._candidates(path), []
         paths = [p for p, *_ in candidates]
+        if os.path.isdir(path):  # (image, caption text) -> with repeats from the N_ folders and masks beside
+            repeats, self.odd_folders = folder_repeats(path, paths)
+            candidates = [(p, text, n, mask_beside(p)) for (p, text), n in zip(candidates, repeats)]
+        options = captions or CaptionOptions()
         with ThreadPoolExecutor(max_workers=min(CHECK_THREADS, len(paths))) as pool:
             checks = pool.map(check_image, paths, [self.resolution] * len(paths))  # keeps the input order
             checks = list(tqdm(checks, total=len(paths), desc=f"checking {path}", unit="img",
                                disable=len(paths) <= PROGRESS_MIN_FILES))
+            mask_sizes = list(pool.map(mask_size, [mask for *_, mask in candidates]))
         self.items, self.captions, self.repeats, self.masks, self.skipped, self.bucket_of = [], [], [], [], {}, []
         self.uncaptioned = 0  # a trigger word alone is still no caption
-        for (image, text, repeats, mask), (reason, size) in zip(candidates, checks):
+        for (image, text, repeats, mask), (reason, size), found in zip(candidates, checks, mask_sizes):
             if reason is not None:
                 self.skipped.setdefault(reason, []).append(image)
                 continue
-            check_mask(mask, size)
+            if found is not None and tuple(found) != tuple(size):
+                raise DatasetError(f"mask {mask} is {found[0]}x{found[1]} but its image is {size[0]}x{size[1]}: a "
+                                   "mask must have its image's size")
             self.captions.append(options.read(text))
             self.uncaptioned += CaptionOptions().read(text) == [""]
             self.items.append((image, self.captions[-1][0]))
@@ -304,7 +310,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
             raise DatasetError(f"no usable images: {self.summary}")
         log(self.summary)
         if self.odd_folders:
-            names = sorted(self.odd_folders)
+            names = self.odd_folders
             log(f"warning: {len(names)} folder(s) have no N_ repeat prefix ({', '.join(names[:MAX_NAMES_LISTED])}): "
                 "their images are seen once an epoch (name a folder 3_name to see it 3 times)")
 
@@ -359,9 +365,8 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         """' (3_cat: 20 images x 3, ...)' for a folder's N_ subfolders, so that a '2023_trip' is noticed."""
         if not os.path.isdir(self.path):
             return ""
-        folders = Counter()
-        for (image, _), repeats in zip(self.items, self.repeats):
-            folders[(os.path.relpath(image, self.path).split(os.sep)[0], repeats)] += 1
+        folders = Counter((top_folder(self.path, image), repeats) for (image, _), repeats in zip(self.items,
+                                                                                               self.repeats))
         named = [f"{name}: {n} images x {repeats}" for (name, repeats), n in sorted(folders.items()) if repeats > 1]
         return f" ({', '.join(named[:MAX_NAMES_LISTED])})"
 
@@ -405,24 +410,27 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
         part.has_masks = any(part.masks)
         return part
 
+    def squares(self):
+        """The same images as resolution x resolution squares, whatever their buckets."""
+        part = self.subset(range(len(self)))
+        part.bucketed, part.bucket_sizes, part.bucket_of = False, [(self.resolution,) * 2], [0] * len(self)
+        return part
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Masks
 
 
-def check_mask(mask, size):
-    """A mask must be an image of its image's size (as displayed): one-line DatasetError otherwise."""
+def mask_size(mask):
+    """A mask's size as displayed, or None without a mask; a file Pillow cannot read is a one-line DatasetError."""
     if mask is None:
-        return
+        return None
     try:
         with Image.open(mask) as img:
-            mask_size = ImageOps.exif_transpose(img).size
+            return ImageOps.exif_transpose(img).size
     except Exception:  # any decoder failure: not an image
         raise DatasetError(f"mask {mask} is not an image Pillow can read: save it as a PNG (white = train, black = "
                            "ignore)") from None
-    if tuple(mask_size) != tuple(size):
-        raise DatasetError(f"mask {mask} is {mask_size[0]}x{mask_size[1]} but its image is {size[0]}x{size[1]}: a "
-                           "mask must have its image's size")
 
 
 def load_mask(path, size):

@@ -27,7 +27,6 @@ class EpochSamples(torch.utils.data.Dataset):
     def __init__(self, parts, resolution, flip=0.0, shuffle_tags=False, keep_tags=0, seed=0):
         self.parts, self.flip, self.seed = list(parts), float(flip), seed
         self.shuffle_tags, self.keep_tags = bool(shuffle_tags), int(keep_tags)
-        self.path = getattr(self.parts[0], "path", "builtin")
         self.masked = any(getattr(part, "has_masks", False) for part in self.parts)
         item_buckets, self.bucket_sizes = bucket_layout(torch.utils.data.ConcatDataset(self.parts), resolution)
         self.keys, self.slots, self.bucket_of, variant_buckets = [], [], [], []  # keys: (part, item, caption, flip)
@@ -82,7 +81,6 @@ class Variants(torch.utils.data.Dataset):
 
     def __init__(self, samples, bucket_of):
         self.samples, self.bucket_of, self.bucket_sizes = samples, bucket_of, samples.bucket_sizes
-        self.path = samples.path
 
     def __len__(self):
         return len(self.samples.keys)

@@ -70,9 +70,10 @@ def epoch_samples(args, parts, log):
                             "built-in shapes (their captions name left and right, and carry no tags)")
         return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
     shuffle, keep = bool(getattr(args, "shuffle_tags", 0)), getattr(args, "keep_tags", 0)
-    if shuffle and count_short_of(parts, keep):
-        log(f"warning: {count_short_of(parts, keep)} caption(s) have no more than --keep_tags {keep} tags: they are "
-            "trained as they are, unshuffled")
+    short = count_short_of(parts, keep) if shuffle else 0
+    if short:
+        log(f"warning: {short} caption(s) have no more than --keep_tags {keep} tags: they are trained as they are, "
+            "unshuffled")
     samples = EpochSamples(parts, args.resolution, getattr(args, "random_flip", 0.0), shuffle, keep, args.seed)
     if len(samples) != len(parts[0]) or samples.flip or shuffle or len(samples.keys) != len(samples):
         log(f"an epoch shows {len(samples)} samples drawn from {len(samples.keys)} variants (image x caption x "
@@ -107,8 +108,7 @@ def validation_data(args, held_out, log):
         except DatasetError as e:
             raise UserError(f"--val_data {args.val_data}: {e}") from None
     if isinstance(held_out, ImageCaptionDataset):
-        held_out = held_out.subset(range(len(held_out)))
-        held_out.bucket_of, held_out.bucket_sizes = [0] * len(held_out), [(args.resolution,) * 2]
+        held_out = held_out.squares()
     log(f"validation: {min(len(held_out), args.val_samples)} images of {args.val_data or '--data'} every "
         f"{args.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise")
     return held_out
@@ -163,28 +163,37 @@ def use_cache(args, components):
     return args.cache == "1" or (args.cache == "auto" and components.spec["kind"] != "builtin") or args.cache_only
 
 
+def parts_of(dataset):
+    """The datasets a run's data is made of, --data's first (LoRA's prior data beside it), or just the one."""
+    if isinstance(dataset, torch.utils.data.ConcatDataset):
+        return list(dataset.datasets)
+    return dataset.parts if isinstance(dataset, EpochSamples) else [dataset]
+
+
+def file_stamp(path):
+    """(size, mtime in ns): a file's change, as the fingerprint sees it."""
+    stat = os.stat(path)
+    return stat.st_size, stat.st_mtime_ns
+
+
 def data_fingerprint(dataset, resolution):
     """Everything about the data that changes the cached features: the files (path, size, mtime), the captions,
     the image sizes. Several datasets (LoRA's prior data) are listed part by part."""
-    if isinstance(dataset, (torch.utils.data.ConcatDataset, EpochSamples)):
-        parts = [data_fingerprint(d, resolution) for d in getattr(dataset, "datasets", getattr(dataset, "parts", []))]
+    if parts_of(dataset) != [dataset]:
+        parts = [data_fingerprint(d, resolution) for d in parts_of(dataset)]
         merged = {f"{k}" if i == 0 else f"part{i}_{k}": v for i, part in enumerate(parts) for k, v in part.items()}
         return {**merged, **(dataset.fingerprint() if isinstance(dataset, EpochSamples) else {})}
     sizes = [list(size) for size in bucket_layout(dataset, resolution)[1]]
     if hasattr(dataset, "fingerprint"):  # preference pairs
         return {**dataset.fingerprint(), "sizes": sizes}
     if hasattr(dataset, "items"):  # user images
-        files = []
-        for path, _ in dataset.items:
-            stat = os.stat(path)
-            files.append([os.path.abspath(path), stat.st_size, stat.st_mtime_ns])
+        files = [[os.path.abspath(path), *file_stamp(path)] for path, _ in dataset.items]
         found = {"data": os.path.abspath(dataset.path), "count": len(dataset.items), "files": json_digest(files),
                  "captions": json_digest([caption for _, caption in dataset.items]), "sizes": sizes}
         if any(len(captions) > 1 for captions in getattr(dataset, "captions", [])):
             found["all_captions"] = json_digest(dataset.captions)
         if any(getattr(dataset, "masks", [])):
-            found["masks"] = json_digest([[m, os.stat(m).st_size, os.stat(m).st_mtime_ns] if m else None
-                                          for m in dataset.masks])
+            found["masks"] = json_digest([[m, *file_stamp(m)] if m else None for m in dataset.masks])
         return found
     return {"data": f"builtin:{dataset.split}:{','.join(dataset.colors)}", "count": len(dataset),
             "generator": json_digest([dataset.seed, dataset.resolution, SHAPES_VERSION]), "sizes": sizes}
@@ -193,8 +202,7 @@ def data_fingerprint(dataset, resolution):
 def cache_folder(cache_dir, dataset, fingerprint, components):
     """One cache folder per dataset (its parts' sources) and component set: stages on the same data share it, and
     a resolution, caption or file change rebuilds it in place."""
-    source = dataset.datasets[0] if isinstance(dataset, torch.utils.data.ConcatDataset) else \
-        dataset.parts[0] if isinstance(dataset, EpochSamples) else dataset
+    source = parts_of(dataset)[0]
     name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
     sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
     key = json_digest([sources, components.spec.get("kind"), components.spec.get("path")])[:16]

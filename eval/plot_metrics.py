@@ -21,7 +21,7 @@ from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
 NOT_PLOTTED = ("step", "epoch", "samples_seen", "sample_ids")
 FIRST = ("loss", "lr", "grad_norm", "images_per_s")  # the panels' order; other numbers follow, sorted
-UNSMOOTHED = ("lr", "val_loss")  # already smooth (a schedule) or sparse (every --val_interval steps)
+UNSMOOTHED = ("lr",)  # a schedule: already smooth (the validation loss is drawn as dots on the loss panel)
 TITLES = {"loss": "loss (smoothed; validation: dots)", "lr": "learning rate", "grad_norm": "gradient norm",
           "images_per_s": "images / s"}
 

@@ -5,13 +5,14 @@ the last context block's) modulation has its shift and scale halves in the other
 (../shared/REFERENCE.md section 10; diffusers converts the other way in `single_file_utils.py`).
 
     single_file_state(state)          our (diffusers-named) state dict -> the single-file one
+    single_file_metadata(path)        its metadata if `path` is in this layout, else None
     SingleFileTensors(path)           a single file read by diffusers' names, tensor by tensor (model/loading.py)
 """
-import json
 import os
 import re
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from model.loading import TensorFiles
 
@@ -89,19 +90,17 @@ def single_file_state(state):
     return out
 
 
-def is_single_file(path):
-    """Whether a safetensors file is in the single-file layout (its keys name joint_blocks)."""
-    if not str(path).lower().endswith(".safetensors"):
-        return False
+def single_file_metadata(path):
+    """A safetensors file in the single-file layout (its keys name joint_blocks) -> its metadata ({} if none);
+    anything else -> None. Only the header is read."""
+    if not (os.path.isfile(path) and str(path).lower().endswith(".safetensors")):
+        return None
     try:
-        with open(path, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if size > os.path.getsize(path) - 8:  # not a safetensors header: no such length
-                return False
-            header = json.loads(f.read(size))
-    except (OSError, ValueError):
-        return False
-    return any(".joint_blocks." in name or name.startswith("joint_blocks.") for name in header)
+        with safe_open(path, framework="pt") as f:
+            keys, metadata = list(f.keys()), f.metadata() or {}
+    except (OSError, SafetensorError):
+        return None
+    return metadata if any(".joint_blocks." in k or k.startswith("joint_blocks.") for k in keys) else None
 
 
 class SingleFileTensors:

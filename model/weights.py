@@ -26,7 +26,7 @@ from model.errors import UserError
 from model.model_lora import is_lora_file
 from model.file_io import json_digest, sha256_of, write_safetensors
 from model.loading import TensorFiles, fill, meta_model
-from model.single_file import SingleFileTensors, is_single_file, single_file_state
+from model.single_file import SingleFileTensors, single_file_metadata, single_file_state
 from model.model_sd3light import PRESETS, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,8 +149,9 @@ def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
     another copy)."""
     if os.path.isdir(name_or_path) and diffusers_transformer_dir(name_or_path):
         return diffusers_source(name_or_path, base)
-    if os.path.isfile(name_or_path) and is_single_file(name_or_path):
-        return single_file_source(name_or_path, base)
+    metadata = single_file_metadata(name_or_path)
+    if metadata is not None:
+        return single_file_source(name_or_path, metadata, base)
     stem = resolve_weights(name_or_path, out_dir)
     record = read_manifest(stem, "weights")
     record.setdefault("prediction", "v")  # weights written before x-prediction existed predict v
@@ -165,13 +166,9 @@ def weights_source(name_or_path, out_dir=DEFAULT_OUT_DIR, base=None):
     return record
 
 
-def single_file_source(path, base=None):
+def single_file_source(path, metadata, base=None):
     """weights_source for a single file in the original SD3 layout that we exported (--export_single_file): its
-    record is in the file's metadata. The components are rebuilt from it (`base` replaces an SD3 folder)."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as f:
-        metadata = f.metadata() or {}
+    record is in the file's `metadata`. The components are rebuilt from it (`base` replaces an SD3 folder)."""
     if "minisd3" not in metadata:
         raise UserError(f"{path} is an SD3 single file without MiniSD3's record (its config and components): start "
                         "from a diffusers folder of it instead (--from_weight base with --base)")

@@ -66,8 +66,8 @@ def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, 
     """The networks `roles` names ({name: "trained" | "frozen" | "adapted"}), from --from_weight (or new ones,
     `fresh(config)`, of --preset's size on the components' widths, every rank drawing the same), with the
     components, the data (`data(args, components, config, log)` -> (dataset, prompts, validation images or
-    None)) and the cache, in the phases above. `record`: the start weights' record, if the stage has read it (start_weights_source) for its
-    recipe. Sets args.prediction to what the start weights predict. -> Start."""
+    None)) and the cache, in the phases above. `record`: the start weights' record, if the stage has read it
+    (start_weights_source) for its recipe. Sets args.prediction to what the start weights predict. -> Start."""
     bad = [role for role in roles.values() if role not in ROLES]
     if bad or ("adapted" in roles.values() and adapt is None):
         raise ValueError(f"roles must be {ROLES} (and 'adapted' needs adapt): got {roles}")
@@ -90,8 +90,9 @@ def start_up(args, info, run, roles, data=default_data, adapt=None, fresh=None, 
         check_pipeline_export(components, args.prediction)
     if getattr(args, "export_single_file", False):
         check_single_file_export(args.prediction)
-    validation = None if held_out is None else encode_heldout(  # while the text encoders are in memory
-        components, held_out, args.val_samples, args.batch_size, info.device)
+    validation = None  # encoded while the text encoders are in memory, on the ranks that validate (TrainingRun)
+    if held_out is not None and (info.is_main or info.sharded):
+        validation = encode_heldout(components, held_out, args.val_samples, args.batch_size, info.device)
     dataset = features_to_train_on(args, dataset, components, prompts, info, run.log)
     start = Start({}, components, dataset, prompts, record, config, validation)
     if dataset is None:  # --cache_only: the cache is built, no weights are needed
