@@ -1,12 +1,13 @@
-"""What a stage trains on, from its arguments: the frozen components (built-in, or `--base`'s SD3 parts), `--data`
-as a dataset (aspect-ratio buckets for user images), the sample grids' prompts, the check that every image size
-fits the model, and the cache of encoded features (dataset/cache.py) that training reads instead of the images.
+"""What a stage trains on, from its arguments: `--data` as a dataset (aspect-ratio buckets for user images), the
+sample grids' prompts, the check that every image size fits the model, the validation images, and the cache of
+encoded features (dataset/cache.py) that training reads instead of the images.
 
-`args` is a stage's parsed arguments (the plumbing of trainer/arguments.py); `info` is the process's rank, world
-size and device (trainer_utils.DistInfo).
+The glue takes DataSettings, what a stage's arguments say of its data, read once after parsing; `info` is the
+process's rank, world size and device (trainer/distributed.DistInfo).
 """
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -16,35 +17,61 @@ from dataset.cache import build_cache
 from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset, build_dataset, read_prompt_file
 from dataset.preference_pairs import encode_pairs
 from dataset.samples import EpochSamples, count_short_of
-from dataset.shapes import GRAMMAR_WORDS, SHAPES_VERSION
-from model.components import BuiltinComponents, SD3Components
+from dataset.shapes import SHAPES_VERSION
+from model.components import BuiltinComponents
 from model.errors import UserError
 from model.file_io import json_digest
 from model.rectified_flow import mask_to_latents
 
 
-def make_components(args, info, dtype=None):
-    """The frozen components of a fresh model: --base's SD3 VAE and text encoders (held in `dtype`), else the
-    built-in ones."""
-    if not args.base:
-        return BuiltinComponents(GRAMMAR_WORDS)
-    return SD3Components(args.base, t5_max_length=args.t5_max_length, device=info.device, dtype=dtype)
+@dataclass(frozen=True)
+class DataSettings:
+    """What a stage's arguments say of its data (--data and the plumbing and data groups of trainer/arguments.py),
+    read once after parsing (DataSettings.of): the data, its size, buckets and captions, what an epoch does with
+    your images, the validation images, the cache, and the grids' prompts."""
+    data: str = "builtin"
+    resolution: int = 32
+    num_samples: int = 8000
+    seed: int = 0
+    buckets: str = "auto"
+    captions: CaptionOptions = CaptionOptions()
+    random_flip: float = 0.0
+    shuffle_tags: bool = False
+    keep_tags: int = 0
+    val_fraction: float = 0.0
+    val_data: str = None
+    val_samples: int = 64
+    val_interval: int = 100
+    cache: str = "auto"
+    cache_dir: str = "cache"
+    cache_only: bool = False
+    encode_batch: int = 4
+    sample_prompts: str = None
+
+    @classmethod
+    def of(cls, args):
+        """From a stage's parsed arguments (a stage without --data, such as DPO's pairs, has the default)."""
+        given = vars(args)
+        names = [name for name in cls.__dataclass_fields__ if name in given and name != "shuffle_tags"]
+        return cls(**{name: given[name] for name in names}, captions=caption_options(given),
+                   shuffle_tags=bool(given.get("shuffle_tags", 0)),
+                   encode_batch=given.get("encode_batch_size", 0) or given["batch_size"])
 
 
-def training_dataset(args, components, patch_size, log, data=None, num_samples=None):
+def training_dataset(settings, components, patch_size, log, data=None, num_samples=None):
     """--data (or `data`), in aspect-ratio buckets for user images when --buckets asks for them (auto: 5 buckets
     on SD3 components, centre-cropped squares with the built-in ones)."""
-    data = data or args.data
+    data, resolution = data or settings.data, settings.resolution
     builtin = data == "builtin" or data.startswith("builtin:")
-    count = int(args.buckets) if args.buckets != "auto" else (5 if components.spec["kind"] == "sd3" else 0)
+    count = int(settings.buckets) if settings.buckets != "auto" else (5 if components.spec["kind"] == "sd3" else 0)
     sizes = None
     if count and not builtin:
         try:
-            sizes = bucket_sizes(args.resolution, components.downscale * patch_size, count=count)
+            sizes = bucket_sizes(resolution, components.downscale * patch_size, count=count)
         except ValueError as e:
-            raise UserError(f"--buckets {args.buckets} at --resolution {args.resolution}: {e}") from None
-    dataset = build_dataset(data, args.resolution, num_samples=num_samples or args.num_samples, seed=args.seed,
-                            log=log, buckets=sizes, captions=caption_options(vars(args)))
+            raise UserError(f"--buckets {settings.buckets} at --resolution {resolution}: {e}") from None
+    dataset = build_dataset(data, resolution, num_samples=num_samples or settings.num_samples, seed=settings.seed,
+                            log=log, buckets=sizes, captions=settings.captions)
     warn_long_captions(dataset, components, log)
     return dataset
 
@@ -56,61 +83,61 @@ def caption_options(settings):
                           settings.get("caption_lines", "join") == "each")
 
 
-DATA_FEATURES = ("caption_prefix", "caption_suffix", "random_flip", "shuffle_tags")
-
-
-def epoch_samples(args, parts, log):
+def epoch_samples(settings, parts, log):
     """What an epoch shows (dataset/samples.py): the user's images (parts[0]) with their repeats, captions, flips
     and tag shuffles, beside any other parts (LoRA's prior data). Built-in data alone (or first) is trained as it
     was: one permutation of its samples an epoch."""
     if not isinstance(parts[0], ImageCaptionDataset):
-        used = [f"--{name}" for name in DATA_FEATURES if getattr(args, name, None)]
+        features = {"caption_prefix": settings.captions.prefix, "caption_suffix": settings.captions.suffix,
+                    "random_flip": settings.random_flip, "shuffle_tags": settings.shuffle_tags}
+        used = [f"--{name}" for name, value in features.items() if value]
         if used:
             raise UserError(f"{', '.join(used)} apply to your own images (--data a folder or .jsonl), not to the "
                             "built-in shapes (their captions name left and right, and carry no tags)")
         return parts[0] if len(parts) == 1 else torch.utils.data.ConcatDataset(parts)
-    shuffle, keep = bool(getattr(args, "shuffle_tags", 0)), getattr(args, "keep_tags", 0)
+    shuffle, keep = settings.shuffle_tags, settings.keep_tags
     short = count_short_of(parts, keep) if shuffle else 0
     if short:
         log(f"warning: {short} caption(s) have no more than --keep_tags {keep} tags: they are trained as they are, "
             "unshuffled")
-    samples = EpochSamples(parts, args.resolution, getattr(args, "random_flip", 0.0), shuffle, keep, args.seed)
+    samples = EpochSamples(parts, settings.resolution, settings.random_flip, shuffle, keep, settings.seed)
     if len(samples) != len(parts[0]) or samples.flip or shuffle or len(samples.keys) != len(samples):
         log(f"an epoch shows {len(samples)} samples drawn from {len(samples.keys)} variants (image x caption x "
             f"flip{', tags shuffled' if shuffle else ''})")
     return samples
 
 
-def split_validation(args, dataset):
+def split_validation(settings, dataset):
     """--val_fraction of the user's images held out, never trained on -> (what trains, held out or None)."""
-    fraction = getattr(args, "val_fraction", 0.0)
+    fraction = settings.val_fraction
     if not fraction:
         return dataset, None
-    if getattr(args, "val_data", None):
+    if settings.val_data:
         raise UserError("pass --val_data or --val_fraction, not both")
     if fraction >= 1:
         raise UserError(f"--val_fraction {fraction:g} would hold out every image: use a fraction below 1 (e.g. 0.1)")
     if not isinstance(dataset, ImageCaptionDataset):
         raise UserError("--val_fraction splits your own images; the built-in data has its own held-out split: pass "
                         "--val_data builtin")
-    return dataset.split(fraction, args.seed)
+    return dataset.split(fraction, settings.seed)
 
 
-def validation_data(args, held_out, log):
+def validation_data(settings, held_out, log):
     """The validation images: --val_data (the built-in held-out split for 'builtin'), or what --val_fraction held
     out, as resolution x resolution squares with their first caption; None without either."""
-    if held_out is None and not getattr(args, "val_data", None):
+    s = settings
+    if held_out is None and not s.val_data:
         return None
     if held_out is None:
         try:
-            held_out = build_dataset(args.val_data, args.resolution, split="heldout", num_samples=args.val_samples,
-                                     seed=args.seed, log=lambda line: None, captions=caption_options(vars(args)))
+            held_out = build_dataset(s.val_data, s.resolution, split="heldout", num_samples=s.val_samples,
+                                     seed=s.seed, log=lambda line: None, captions=s.captions)
         except DatasetError as e:
-            raise UserError(f"--val_data {args.val_data}: {e}") from None
+            raise UserError(f"--val_data {s.val_data}: {e}") from None
     if isinstance(held_out, ImageCaptionDataset):
         held_out = held_out.squares()
-    log(f"validation: {min(len(held_out), args.val_samples)} images of {args.val_data or '--data'} every "
-        f"{args.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise")
+    log(f"validation: {min(len(held_out), s.val_samples)} images of {s.val_data or '--data'} every "
+        f"{s.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise")
     return held_out
 
 
@@ -157,10 +184,11 @@ def check_image_sizes(resolution, dataset, model, components):
 # The cache of encoded features
 
 
-def use_cache(args, components):
+def use_cache(settings, components):
     """--cache auto: on for real SD3 components (their encoders cost most of a step), off for the built-in ones
     (cheaper to run than to read back)."""
-    return args.cache == "1" or (args.cache == "auto" and components.spec["kind"] != "builtin") or args.cache_only
+    cache = settings.cache
+    return cache == "1" or (cache == "auto" and components.spec["kind"] != "builtin") or settings.cache_only
 
 
 def parts_of(dataset):
@@ -209,11 +237,11 @@ def cache_folder(cache_dir, dataset, fingerprint, components):
     return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
 
 
-def cached_dataset(args, dataset, components, info, log):
+def cached_dataset(settings, dataset, components, info, log):
     """Encode every sample once (split across ranks, resumable) and return the cache, read memory-mapped; its
     items are feature dicts (components.encode), in the order of `dataset`'s samples, and it keeps their image
     sizes (bucket_of, bucket_sizes) so they batch as the images would."""
-    fingerprint = {**data_fingerprint(dataset, args.resolution), "resolution": args.resolution,
+    fingerprint = {**data_fingerprint(dataset, settings.resolution), "resolution": settings.resolution,
                    "components": json_digest(components.identity())}
     samples, dataset = dataset, getattr(dataset, "variants", dataset)  # each variant of an image once
 
@@ -235,12 +263,12 @@ def cached_dataset(args, dataset, components, info, log):
                 features[k] = {key: value[j].detach().cpu().contiguous() for key, value in batch.items()}
         return features
 
-    folder = cache_folder(args.cache_dir, samples, fingerprint, components)
+    folder = cache_folder(settings.cache_dir, samples, fingerprint, components)
     cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
-                        barrier=dist.barrier if info.world_size > 1 else None,
-                        encode_batch=getattr(args, "encode_batch_size", 0) or args.batch_size, log=log)
+                        barrier=dist.barrier if info.world_size > 1 else None, encode_batch=settings.encode_batch,
+                        log=log)
     warn_truncated(components, info, log)
-    cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, args.resolution)  # the images' sizes, as batched
+    cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, settings.resolution)  # the images' sizes, as batched
     return samples.reading(cache) if samples is not dataset else cache
 
 
@@ -258,17 +286,17 @@ def warn_truncated(components, info, log):
         components.truncated_captions = 0
 
 
-def features_to_train_on(args, dataset, components, prompts, info, log):
+def features_to_train_on(settings, dataset, components, prompts, info, log):
     """With the cache on (--cache, auto: with SD3 components), encode `dataset` once and train from its cache; the
     text encoders are then freed, once the sample prompts are encoded. -> what to train on, or None when
     --cache_only asked for the cache alone."""
-    if not use_cache(args, components) or not getattr(dataset, "cacheable", True):
+    if not use_cache(settings, components) or not getattr(dataset, "cacheable", True):
         return dataset
     if getattr(dataset, "shuffle_tags", False):
         raise UserError("--shuffle_tags 1 changes the text at every step, and the cache holds it encoded once: pass "
                         "--cache 0 (the text encoders then stay in memory and encode each step)")
-    cache = cached_dataset(args, dataset, components, info, log)
-    if args.cache_only:
+    cache = cached_dataset(settings, dataset, components, info, log)
+    if settings.cache_only:
         features = getattr(cache, "source", cache)  # the cache itself, under an epoch's slots (EpochSamples)
         log(f"--cache_only: the cache of {len(features)} samples is ready in {features.folder}")
         return None

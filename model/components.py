@@ -376,6 +376,14 @@ def check_widths(components, config, where):
         raise ComponentsError(f"{where} does not fit the components ({components.spec['kind']}): " + ", ".join(bad))
 
 
+def new_components(base, t5_max_length, vocabulary, device="cpu", dtype=None):
+    """The frozen components of a fresh model: the SD3 VAE and text encoders of the diffusers folder `base` (held
+    in `dtype`), or without one the built-in ones over `vocabulary` (the built-in data's words)."""
+    if not base:
+        return BuiltinComponents(vocabulary)
+    return SD3Components(base, t5_max_length=t5_max_length, device=device, dtype=dtype)
+
+
 def build_components(spec, device="cpu", dtype=None):
     """Rebuild components from the spec saved in a weights config; `dtype`: what SD3 components are held in
     (None: bf16 on a GPU, fp32 on a CPU). The built-in ones are tiny and stay fp32."""

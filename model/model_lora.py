@@ -227,6 +227,19 @@ def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False
     return write_safetensors(path, tensors, metadata=file_metadata(config, record), float_dtype=dtype)
 
 
+class LoRAExport:
+    """What a LoRA stage's save exports: `model`'s adapters (given at each save: their EMA's, or their own) to the
+    file `path` in diffusers' LoRA format, alpha folded into B (save_lora), with `record` and the step."""
+
+    def __init__(self, path, model, record, dtype):
+        self.output, self.model, self.record, self.dtype = path, model, record, dtype
+
+    def write(self, step, state, samples_seen):
+        """-> bytes written."""
+        record = {**self.record, "samples_seen": samples_seen, "step": step}
+        return save_lora(self.model, self.output, record, state=state, dtype=self.dtype, fold_alpha=True)["bytes"]
+
+
 def read_lora_file(path):
     """-> (interchange state dict, adapter config, our record or None)."""
     with safe_open(path, framework="pt") as f:

@@ -5,6 +5,7 @@ Measured, not guessed from CPU flags. It is not auto's choice on a CPU: the main
 held-out loss but a lower held-out score (BENCHMARKS.md)."""
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +46,7 @@ def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
     """--dtype as what the run computes in -> ("bf16" or "fp32", why). auto: bf16 on a GPU, fp32 on a CPU. fast:
     bf16 on a GPU; on a CPU, bf16 where the check finds it faster, for one process (several processes on one CPU
     share its cores: that is the multi-GPU code path tried out, in fp32, the same on every rank whatever each
-    one's check would time), and only where the stage allows it (`cpu_bf16`; see TrainingRun)."""
+    one's check would time), and only where the stage allows it (`cpu_bf16`; see run_precision)."""
     if dtype in ("fp32", "bf16"):
         return dtype, "as asked"
     if device.type == "cuda":
@@ -59,6 +60,12 @@ def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
     speedup = cpu_bf16_speedup()
     return ("bf16" if speedup >= 1 / BF16_MARGIN else "fp32"), f"fast: bf16 ran at {speedup:.2f}x fp32's speed here"
 
+
+
+def autocast_dtype(dtype, device):
+    """--dtype as the autocast dtype on `device`, or None for plain fp32 (auto, fast: resolve_dtype; a run resolves
+    it once at start, run_precision)."""
+    return torch.bfloat16 if resolve_dtype(dtype, device)[0] == "bf16" else None
 
 # ----------------------------------------------------------------------------------------------------------------
 # The networks that do not train
@@ -108,3 +115,52 @@ def import_torchao(what):
     except ImportError:
         raise UserError(f"{what} needs torchao: pip install -r requirements.txt (or pip install torchao)") from None
     return torchao
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's precision, decided once
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a run computes in (`compute`: "bf16" under autocast, or "fp32") and holds its frozen networks in
+    (`frozen`: "bf16", "fp32" or "int8"), decided once at start-up (run_precision)."""
+    compute: str = "fp32"
+    frozen: str = "fp32"
+
+    @property
+    def autocast(self):
+        """The autocast dtype of the forwards, or None for plain fp32."""
+        return torch.bfloat16 if self.compute == "bf16" else None
+
+    def as_args(self):
+        """The two as the arguments they resolve: what a resume checkpoint records and compares."""
+        return {"dtype": self.compute, "frozen_dtype": self.frozen}
+
+
+def run_precision(dtype, frozen_dtype, device, stage, log, several_processes=False, cpu_bf16=True,
+                  frozen_transformer=False, sd3_components=False, resumed=None):
+    """--dtype and --frozen_dtype as a run holds them -> Precision, said in a line. `cpu_bf16`: whether --dtype
+    fast may take bf16 on a CPU (a stage whose loss compares two predictions closer than bf16 resolves says no);
+    `frozen_transformer`: whether the stage holds a transformer that does not train (a LoRA base, a teacher, a
+    reference), which --frozen_dtype applies to and which, held in bf16 or int8, computes under bf16 autocast;
+    `resumed`: what the run it resumes computed in, which --dtype fast keeps (its trajectory goes on as it
+    began, whatever today's check says)."""
+    compute, why = resolve_dtype(dtype, device, several_processes, cpu_bf16)
+    frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, device, sd3_components)
+    if frozen == "int8" and not frozen_transformer:
+        raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage} stage trains every "
+                        "weight of its own: use it with trainer/train_lora.py, or drop it")
+    if frozen_transformer and frozen != "fp32" and compute == "fp32":
+        if dtype == "fp32":
+            raise UserError(f"--dtype fp32 with --frozen_dtype {frozen}: a transformer held in {frozen} computes in "
+                            "bf16; drop --dtype fp32, or pass --frozen_dtype fp32")
+        compute, why = "bf16", f"the frozen transformer is held in {frozen}"
+    if dtype in ("auto", "fast") or why.startswith("the frozen"):
+        log(f"computing in {compute} ({why})")
+    if frozen_transformer or sd3_components:
+        log(f"frozen networks held in {frozen}")
+    if dtype == "fast" and resumed in ("bf16", "fp32") and resumed != compute:
+        compute = resumed
+        log(f"computing in {resumed}, as the run it resumes did")
+    return Precision(compute, frozen)

@@ -11,6 +11,7 @@ from our manifests or from diffusers folders. LoRA files are found here by name 
 """
 import json
 import os
+import re
 
 import torch
 
@@ -19,11 +20,10 @@ from model.checkpoint import (
 )
 from model.components import ComponentsError, build_components, check_widths
 from model.diffusers_io import (
-    DIFFUSERS_WEIGHTS, diffusers_transformer_dir, diffusers_weight_files, export_diffusers, pipeline_shift,
+    diffusers_transformer_dir, diffusers_weight_files, export_diffusers, pipeline_shift,
     scheduler_settings,
 )
 from model.errors import UserError
-from model.model_lora import is_lora_file
 from model.file_io import json_digest, sha256_of, write_safetensors
 from model.loading import TensorFiles, fill, meta_model
 from model.single_file import SingleFileTensors, single_file_metadata, single_file_state
@@ -45,7 +45,10 @@ def run_name(stage, preset):
 
 
 def lora_run_name(name, preset):
-    """A LoRA run's name: its metrics, samples and resume files are called lora_<name>_<preset>*."""
+    """A LoRA run's name: its metrics, samples and resume files are called lora_<name>_<preset>*. A name that could
+    not name a file is a one-line error."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", name):
+        raise UserError(f"--lora_name {name!r}: use letters, digits, '-' and '_' only (it names a file)")
     return run_name(f"lora_{name}", preset)
 
 
@@ -102,6 +105,23 @@ def export_weights(stem, step, model, state, components, record, dtype, pipeline
     if single_file:
         written += save_single_file(single_file_path(stem), state, {**record, "kind": "weights", "step": step})
     return written
+
+
+class WeightsExport:
+    """What a stage's save exports: `model`'s weights (given at each save: the EMA's, or the raw ones) under `stem`
+    with `record` (how to rebuild and sample them), in `dtype`, and for v-prediction a diffusers folder, with
+    `pipeline` a whole pipeline, with `single_file` the original SD3 layout (export_weights)."""
+
+    def __init__(self, stem, model, components, record, dtype, pipeline=False, single_file=False):
+        self.stem, self.model, self.components, self.record = stem, model, components, record
+        self.dtype, self.pipeline, self.single_file = dtype, pipeline, single_file
+        self.output = manifest_path(stem)
+
+    def write(self, step, state, samples_seen):
+        """-> bytes written."""
+        record = {**self.record, "samples_seen": samples_seen}
+        return export_weights(self.stem, step, self.model, state, self.components, record, self.dtype,
+                              self.pipeline, self.single_file)
 
 
 def single_file_path(stem):
@@ -245,33 +265,6 @@ def load_weights(name_or_path, out_dir=DEFAULT_OUT_DIR, device="cpu", base=None,
     record = weights_source(name_or_path, out_dir, base)
     components = load_components(record, device, components_dtype)
     return load_transformer(record, dtype, device).eval(), components, record
-
-
-def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
-    """The weights a fine-tune starts from (weights_source): `from_weight` is a stage name in out_dir ('pretrain'
-    means pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of
-    `preset`, and predict `prediction` if it is given (None: whatever they predict)."""
-    if is_lora_file(from_weight):
-        raise UserError(f"--from_weight {from_weight} is a LoRA file (adapters, not whole weights): pass the weights "
-                        "it was trained on, and apply it when sampling (eval/eval_sample.py --lora)")
-    if from_weight == "base":
-        if not base:
-            raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
-        if not diffusers_transformer_dir(base):
-            raise UserError(f"{base} holds no diffusers transformer (transformer/config.json and "
-                            f"{DIFFUSERS_WEIGHTS} or its shards)")
-        record = diffusers_source(base, base)
-    else:
-        source = run_name(from_weight, preset) if from_weight in WEIGHT_STAGES else from_weight
-        record = weights_source(source, out_dir, base=base)
-    where = record["manifest"]
-    if record["preset"] != preset:
-        raise UserError(f"--from_weight {where} holds '{record['preset']}' weights, not --preset {preset}: "
-                        f"pass --preset {record['preset']} or weights of preset {preset}")
-    if prediction not in (None, record["prediction"]):
-        raise UserError(f"--from_weight {where} predicts {record['prediction']}, not --prediction {prediction}: "
-                        "a fine-tune keeps its weights' prediction (leave --prediction unset)")
-    return record
 
 
 def weights_identity(record, out_dir):

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import dataset.training_data
-from trainer.training_run import TrainingRun
+from trainer.metrics import MetricsLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -31,7 +31,7 @@ def run_in_process(module, argv, monkeypatch, build_dataset=None):
     """Run a stage script's main() here -> (what it returned, the messages it logged). `build_dataset`, if given,
     replaces the builder of its datasets (dataset/image_folder.build_dataset's arguments)."""
     messages = []
-    monkeypatch.setattr(TrainingRun, "log", lambda run, msg: messages.append(msg))
+    monkeypatch.setattr(MetricsLog, "log", lambda metrics, msg: messages.append(msg))
     if build_dataset is not None:
         monkeypatch.setattr(dataset.training_data, "build_dataset", build_dataset)
     return module.main(list(argv)), messages

@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 from dataset.buckets import MAX_AREA_FACTOR, BucketBatches, bucket_layout, bucket_sizes, nearest_bucket
 from dataset.image_folder import DatasetError, ImageCaptionDataset, build_dataset, load_image, read_image, to_rgb
 from dataset.shapes import ShapesDataset
-from tests.test_dataset import exif_jpeg, save_png
+from tests.conftest import exif_jpeg, save_image_png as save_png
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sizes

@@ -7,7 +7,6 @@ import random
 import re
 import signal
 import socket
-import subprocess
 import time
 
 import pytest
@@ -24,10 +23,12 @@ from model.components import BuiltinComponents
 from model.errors import UserError
 from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
-from trainer.trainer_utils import StopSignal, check_resume, lr_at
+from trainer.resume import check_resume
+from trainer.trainer_utils import StopSignal, lr_at
 
-from tests.scripts import ENV, REPO, command, run, run_in_process
-from tests.test_train import metric_steps
+from tests.scripts import REPO, run, run_in_process
+from tests.conftest import metric_steps
+from tests.conftest import children, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
 QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
@@ -319,38 +320,6 @@ def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
 # Real processes: SIGKILL at random moments, world-size changes, two nodes
 
 
-def launch(args, torchrun=0, log_path=None, extra=()):
-    log = open(log_path, "w") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(command(args, torchrun, extra), cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def last_logged_step(metrics_path):
-    if not os.path.exists(metrics_path):
-        return 0
-    with open(metrics_path) as f:
-        lines = [line for line in f if line.endswith("\n")]
-    return json.loads(lines[-1])["step"] if lines else 0
-
-
-def wait_for_step(proc, metrics_path, step, timeout=120):
-    deadline = time.time() + timeout
-    while last_logged_step(metrics_path) < step and proc.poll() is None:
-        assert time.time() < deadline, "training made no progress"
-        time.sleep(0.02)
-
-
-def uncommitted(directory, stem_name):
-    """Files a killed save left: temp files and step files (or shard folders) the manifest does not name. A run
-    killed before it made its folder left nothing."""
-    if not os.path.isdir(directory):
-        return []
-    manifest = os.path.join(directory, stem_name + ".json")
-    named = {n.split("/")[0] for n in json.load(open(manifest))["files"]} if os.path.exists(manifest) else set()
-    return [n for n in os.listdir(directory) if n.startswith(".tmp-") or
-            (n.startswith(stem_name + ".step") and n not in named)]
-
-
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_equal(tmp_path):
     run_args = [SCRIPT, "--num_samples", "24", "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "12",
@@ -396,11 +365,6 @@ def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_e
     for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
         assert first_difference(whole[key], resumed[key], key) is None, key
     assert whole["logged"] == resumed["logged"]
-
-
-def children(pid):
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
 
 
 def check_epochs(rows, dataset_size, max_global_batch):

@@ -26,6 +26,8 @@ from dataset.shapes import (
     where_phrase,
 )
 
+from tests.conftest import exif_jpeg, save_image_png as save_png
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -182,25 +184,11 @@ def test_cli_export(tmp_path):
 # User data
 
 
-def save_png(path, image, **kwargs):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    image.save(path, **kwargs)
-
-
 def noise_png_bytes(size=64, seed=0):
     rng = np.random.default_rng(seed)
     buffer = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
     return buffer.getvalue()
-
-
-def exif_jpeg(path):
-    """40x20 JPEG, left half red, right half blue, tagged 'rotate 90 degrees clockwise to display' (orientation 6)."""
-    image = Image.new("RGB", (40, 20), (0, 0, 255))
-    image.paste((255, 0, 0), (0, 0, 20, 20))
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    image.save(path, "JPEG", quality=95, exif=exif)
 
 
 @pytest.fixture

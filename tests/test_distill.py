@@ -15,11 +15,11 @@ from model.checkpoint import checkpoint_file, first_difference, load_safetensors
 from model.diffusers_io import scheduler_settings
 from model.rectified_flow import sampling_sigmas
 from trainer import distillation
-from trainer.distillation import Networks, dmd_loss, generator_sigmas
+from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_sigmas
 
 from tests.scripts import run
-from tests.test_finetune import pretrain_weights, run_stage
-from tests.test_sd3 import dirs
+from tests.conftest import pretrain_weights, run_stage
+from tests.conftest import dirs
 from tests.tiny_sd3 import build_folder
 
 FAST = ["--warmup_steps", "2", "--gen_steps", "2", "--gen_update_ratio", "2", "--batch_size", "2",
@@ -64,8 +64,7 @@ def test_the_generator_gradient_is_dmd2s_normalised_direction():
     guidance = 3.0
     nets = Networks(teacher=Answers(real_cond, real_uncond), generator=None, generator_train=None,
                     fake=Answers(fake), fake_train=None)
-    args = type("Args", (), {"dtype": "fp32", "prediction": "x", "real_guidance": guidance,
-                             "guidance_interval": (0.0, 1.0)})()
+    args = DistillRecipe(prediction="x", autocast=None, real_guidance=guidance, guidance_interval=(0.0, 1.0))
     s = torch.tensor([0.3, 0.7])
     loss = dmd_loss(nets, x0_gen, torch.ones(2, 5, 8), torch.ones(2, 8), s, torch.randn(2, 3, 4, 4), args)
     loss.backward()

@@ -20,12 +20,12 @@ from model.checkpoint import checkpoint_file, first_difference, load_safetensors
 from model.components import BuiltinComponents
 from model.model_lora import read_lora_file
 from trainer import preference
-from trainer.preference import flow_dpo_loss, frozen_copy_reference, pair_indices
+from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_in_process
-from tests.test_finetune import pretrain_weights
-from tests.test_sd3 import dirs
+from tests.conftest import pretrain_weights
+from tests.conftest import dirs
 from tests.tiny_sd3 import build_folder
 
 FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
@@ -54,8 +54,8 @@ class Scale(torch.nn.Module):
 
 
 def recipe(**kw):
-    return type("Args", (), {"dpo_beta": 50.0, "sigma_scheme": "uniform", "logit_mean": 0.0, "logit_std": 1.0,
-                             "train_shift": 1.0, "prediction": "v", "dtype": "fp32", **kw})()
+    return DPORecipe(**{"dpo_beta": 50.0, "sigma_scheme": "uniform", "logit_mean": 0.0, "logit_std": 1.0,
+                        "train_shift": 1.0, "prediction": "v", "autocast": None, **kw})
 
 
 def cached_pairs(chosen, rejected):

@@ -5,7 +5,7 @@ from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from eval.eval_loss import SIGMAS, quantile_losses
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, preset_config
-from tests.test_model_sd3light import randomise
+from tests.conftest import randomise
 
 
 def test_quantile_losses_do_not_depend_on_the_batch_and_do_tell_weights_apart():

@@ -2,95 +2,25 @@
 its adapters, and the adapters sample the same merged or not."""
 import json
 import os
-import signal
 
 import pytest
 import torch
 
-import dataset.training_data
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-import trainer.train_pretrain as train_pretrain
 from eval.sampling import load_for_sampling, sample_images
-from model import checkpoint
-from model.checkpoint import first_difference, load_safetensors, load_torch, read_manifest
+from model.checkpoint import first_difference, read_manifest
 from model.errors import UserError
 from model.model_lora import lora_layers, read_lora_file
 from model.model_sd3light import SD3Light, preset_config
 
-from tests.scripts import run, run_in_process
-from tests.test_model_sd3light import randomise
-
-QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
-
-
-def pretrain_weights(out_dir, prediction="x", steps=2):
-    """A briefly pretrained tiny model at out_dir/pretrain_tiny (what the fine-tune stages start from)."""
-    with pytest.MonkeyPatch.context() as patch:
-        # like trained weights: no zero-initialised gates or output
-        patch.setattr(train_pretrain, "SD3Light", lambda config, **kwargs: randomise(SD3Light(config, **kwargs)))
-        run_in_process(train_pretrain, ["--num_samples", "8", "--batch_size", "2", "--max_steps", str(steps),
-                                        "--sample_interval", "0", *QUIET, "--prediction", prediction,
-                                        "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")], patch)
-    return os.path.join(str(out_dir), "pretrain_tiny.json")
+from tests.scripts import run
+from tests.conftest import QUIET, final_state, lora_export, pretrain_weights, run_stage, sft_export
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     return pretrain_weights(tmp_path_factory.mktemp("base"))
-
-
-class SignalAt:
-    """Wraps the stage's datasets; the `at`-th item fetched from any of them sends SIGTERM to this process, as a
-    scheduler would in the middle of a step."""
-
-    def __init__(self, at):
-        self.at, self.fetched = at, 0
-
-    def wrap(self, build):
-        def build_and_wrap(*args, **kwargs):
-            return Fetching(build(*args, **kwargs), self)
-        return build_and_wrap
-
-
-class Fetching(torch.utils.data.Dataset):
-    def __init__(self, data, counter):
-        self.data, self.counter = data, counter
-        if hasattr(data, "sample_prompts"):
-            self.sample_prompts = data.sample_prompts
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        self.counter.fetched += 1
-        if self.counter.fetched == self.counter.at:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return self.data[i]
-
-
-def run_stage(module, argv, monkeypatch, signal_at=None):
-    """Run a stage script's main() in this process (its datasets wrapped to signal at a fetch)."""
-    run_in_process(module, argv, monkeypatch, SignalAt(signal_at).wrap(dataset.training_data.build_dataset))
-
-
-def final_state(run_dir, name, export):
-    resume = str(run_dir / "ckpt" / f"{name}_resume")
-    state = load_torch(checkpoint.checkpoint_file(resume, read_manifest(resume, "resume"), ".pt"))
-    state["export"] = export(run_dir)
-    with open(run_dir / "out" / f"{name}_metrics.jsonl") as f:
-        state["logged"] = [{k: row[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_seen")}
-                           for row in map(json.loads, f)]
-    return state
-
-
-def sft_export(run_dir):
-    stem = str(run_dir / "out" / "sft_tiny")
-    return load_safetensors(checkpoint.checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
-
-
-def lora_export(run_dir):
-    return read_lora_file(str(run_dir / "out" / "lora" / "lora_demo_tiny.safetensors"))[0]
 
 
 STAGES = {

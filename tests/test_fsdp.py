@@ -25,12 +25,13 @@ from model.model_sd3light import SD3Light, preset_config
 from trainer.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
+from trainer.metrics import MetricsLog
 from trainer.trainer_utils import leaves
 from trainer.training_run import TrainingRun
 
 from tests.scripts import run, run_in_process
-from tests.test_checkpoint import children, launch, uncommitted, wait_for_step
-from tests.test_finetune import lora_export, pretrain_weights, sft_export
+from tests.conftest import children, launch, uncommitted, wait_for_step
+from tests.conftest import lora_export, pretrain_weights, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
 # a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
@@ -270,8 +271,8 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from trainer.distributed import DistInfo
     from trainer.parallel import data_parallel, gathered
-    from trainer.trainer_utils import DistInfo
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:
@@ -283,8 +284,10 @@ def two_ranks_from_different_seeds(rank, folder):
         whole = gathered(data_parallel(model, info).state_dict(), info)
         if rank == 0:
             assert first_difference(rank0[0], whole) is None
-        run = TrainingRun(argparse.Namespace(save_dir=folder, out_dir=folder, seed=0, batch_size=1,
-                                             accumulation_steps=1, dtype="fp32"), info, "test", "test")
+        args = argparse.Namespace(save_dir=folder, out_dir=folder, seed=0, batch_size=1, accumulation_steps=1,
+                                  resolution=32, num_workers=0, max_steps=1, epochs=1, log_sample_ids=0,
+                                  use_wandb=False)
+        run = TrainingRun(args, info, [0, 1], MetricsLog(args, info, "test", "test"))
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params, lr=0.1)
         before = [p.to_local().clone() for p in params]
@@ -353,7 +356,7 @@ def test_shards_that_do_not_hold_what_the_run_has_are_a_one_line_error(tmp_path)
 
 def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_path, monkeypatch):
     from trainer import sharded_checkpoint
-    from trainer.trainer_utils import DistInfo
+    from trainer.distributed import DistInfo
 
     tensors = {"model/a": torch.ones(3), "model/b": torch.arange(4)}
     entries = write_shards(str(tmp_path / "run.step00000001.dcp"), tensors, DistInfo())
@@ -370,7 +373,7 @@ def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_
 def test_own_data_with_validation_shards_like_ddp(tmp_path):
     """A folder with repeats, a trigger word, flips, caption lines and a mask, validated every step: FSDP logs the
     validation loss DDP logs and exports what DDP exports, the single file included."""
-    from tests.test_own_data import CAT, noise_image, save_png
+    from tests.conftest import CAT, noise_image, save_array_png as save_png
 
     data = tmp_path / "data"
     for i, caption in enumerate(CAT):

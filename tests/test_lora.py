@@ -10,7 +10,7 @@ from model.model_lora import (
     unmerge_lora,
 )
 from model.model_sd3light import SD3Light
-from tests.test_model_sd3light import inputs, random_config, randomise
+from tests.conftest import inputs, random_config, randomise
 
 
 def model_and_inputs(seed=0):

@@ -3,7 +3,6 @@ import dataclasses
 import inspect
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -24,56 +23,13 @@ from model.model_sd3light import (
     training_flops_per_sample,
 )
 
+from tests.conftest import CONFIGS, inputs, random_config, randomise
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def random_config(seed, **overrides):
-    rng = random.Random(seed)
-    heads, head_dim = rng.choice([1, 2, 3]), rng.choice([8, 16])
-    num_layers = rng.choice([2, 3, 4])
-    kw = dict(
-        sample_size=rng.choice([8, 12, 16]), patch_size=rng.choice([1, 2]), in_channels=rng.choice([3, 4, 12]),
-        num_layers=num_layers, attention_head_dim=head_dim, num_attention_heads=heads,
-        joint_attention_dim=rng.choice([8, 20, 32]), caption_projection_dim=heads * head_dim,
-        pooled_projection_dim=rng.choice([6, 16]), out_channels=rng.choice([3, 4, 5]),
-        pos_embed_max_size=rng.choice([12, 16]),
-    )
-    kw.update(overrides)
-    return SD3LightConfig(**kw)
-
-
-CONFIGS = {
-    "plain-a": random_config(0),
-    "plain-b": random_config(1),
-    "plain-c": random_config(2),
-    "qk_norm": random_config(3, qk_norm="rms_norm"),
-    "sd3.5-medium-like": random_config(4, qk_norm="rms_norm", num_layers=4, dual_attention_layers=(0, 2)),
-    "dual-last-block": random_config(5, num_layers=3, dual_attention_layers=(2,)),
-}
-
 # Latent sizes as multiples of the patch size: the full table, a crop, a non-square crop.
 GRIDS = [("full", None), ("crop", (3, 3)), ("non-square", (2, 5))]
-
-
-def inputs(config, grid, batch=2, text_len=7, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    p = config.patch_size
-    h, w = grid if grid else (config.pos_embed_max_size, config.pos_embed_max_size)
-    return (
-        torch.randn(batch, config.in_channels, h * p, w * p, generator=g),
-        torch.randn(batch, text_len, config.joint_attention_dim, generator=g),
-        torch.randn(batch, config.pooled_projection_dim, generator=g),
-        torch.rand(batch, generator=g) * 1000,
-    )
-
-
-def randomise(model, seed=0):
-    """Random weights everywhere (our init zeroes adaLN and the output layer, which would make outputs trivial)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
 
 
 def test_config_fields_are_diffusers_constructor_arguments():

@@ -19,7 +19,7 @@ import trainer.train_pretrain as train_pretrain
 from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset
 from dataset.samples import EpochSamples, shuffled_tags
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
-from dataset.training_data import cached_dataset
+from dataset.training_data import DataSettings, cached_dataset
 from eval.eval_loss import quantile_losses
 from eval.plot_metrics import plot_runs
 from model.checkpoint import first_difference, load_torch, read_manifest
@@ -31,18 +31,8 @@ from model.rectified_flow import flow_loss
 from model.weights import load_weights
 
 from tests.scripts import REPO, run_in_process
-from tests.test_finetune import QUIET, pretrain_weights
-
-CAT = ["cat, red, big, round, soft\ncat, small, blue", "cat, green, tall, thin, sharp\ncat, dark, wide"]
-
-
-def save_png(path, array):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    Image.fromarray(array).save(path)
-
-
-def noise_image(seed, size=40):
-    return np.random.default_rng(seed).integers(0, 255, (size, size, 3), dtype=np.uint8)
+from tests.conftest import QUIET, pretrain_weights
+from tests.conftest import CAT, noise_image, save_array_png as save_png
 
 
 @pytest.fixture
@@ -120,8 +110,7 @@ def test_a_flipped_variant_is_the_mirror_and_its_latents_are_cached(folder, tmp_
     assert 10 < sum(flips) < 30  # about half the epochs show it mirrored
 
     components = BuiltinComponents(GRAMMAR_WORDS)
-    args = types.SimpleNamespace(resolution=32, cache_dir=str(tmp_path / "cache"), batch_size=4,
-                                 encode_batch_size=0)
+    args = DataSettings(resolution=32, cache_dir=str(tmp_path / "cache"), encode_batch=4)
     info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     cache = cached_dataset(args, samples, components, info, log=lambda line: None)
     features = cache.source  # the variants, encoded once each

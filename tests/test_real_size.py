@@ -1,6 +1,7 @@
 """What lets the real sizes fit, on the tiny SD3 folder: frozen networks held in bf16 or int8, the stages' start in
 phases (the text encoders freed once training reads the cache), weights filled into a model that was on the meta
 device (no random copy), a sharded run's ranks filled from rank 0, 8-bit AdamW, and the memory estimate."""
+import argparse
 import gc
 import os
 import weakref
@@ -17,14 +18,14 @@ from model.checkpoint import first_difference, load_safetensors
 from model.errors import UserError
 from model.model_lora import apply_lora
 from model.model_sd3light import preset_config
-from model.weights import load_transformer, start_weights_source
+from model.precision import run_precision
+from model.weights import load_transformer
 from trainer import startup
-from trainer.startup import start_up
-from trainer.trainer_utils import DistInfo
-from trainer.training_run import TrainingRun
+from trainer.distributed import DistInfo
+from trainer.startup import start_up, start_weights_source
 
 from tests.scripts import run, run_in_process
-from tests.test_finetune import final_state
+from tests.conftest import final_state
 from tests.tiny_sd3 import build_folder
 
 SMALL = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--preset", "sd3-tiny", "--resolution", "32",
@@ -43,11 +44,14 @@ def dirs(tmp_path):
 
 
 def started(module, stage, roles, argv, adapt=None):
-    """A stage's arguments, its TrainingRun's precision and its start-up, in this process -> (args, Start)."""
+    """A stage's arguments, its precision and its start-up, in this process -> (the arguments with the precision
+    the run resolved them to, Start)."""
     args = module.parse_args(argv)
     info = DistInfo()
-    run_ = TrainingRun(args, info, stage, "test", frozen_transformer=stage != "sft")
-    return args, start_up(args, info, run_, roles, adapt=adapt)
+    precision = run_precision(args.dtype, args.frozen_dtype, info.device, stage, print,
+                              frozen_transformer=stage != "sft", sd3_components=bool(args.base))
+    resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
+    return resolved, start_up(args, info, precision, print, roles, adapt=adapt)
 
 
 def adapters(model):
@@ -80,7 +84,7 @@ def test_every_frozen_network_is_held_in_the_frozen_dtype_and_what_trains_in_fp3
 
 
 def test_the_built_in_components_on_a_cpu_stay_fp32(tmp_path):
-    from tests.test_finetune import pretrain_weights
+    from tests.conftest import pretrain_weights
 
     weights = pretrain_weights(tmp_path)
     args, lora = started(train_lora, "lora", {"model": "adapted"},
@@ -173,7 +177,7 @@ def pretrain_export(run_dir):
 
 
 def test_adamw8bit_stops_and_resumes_bitwise_and_trains_like_adamw(tmp_path, monkeypatch):
-    from tests.test_finetune import run_stage
+    from tests.conftest import run_stage
 
     run_stage(train_pretrain, pretrain_argv(tmp_path / "whole", "adamw8bit"), monkeypatch)
     # SIGTERM while step 5 fetches its first sample (4 a step): the step completes and is saved
@@ -199,7 +203,7 @@ def test_an_int8_lora_trains_and_its_file_loads_in_diffusers(tmp_path, sd3):
     from diffusers import StableDiffusion3Pipeline
 
     from eval.sampling import load_for_sampling, sample_images
-    from tests.test_sd3 import diffusers_image
+    from tests.conftest import diffusers_image
 
     result = run(["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--frozen_dtype", "int8",
                   "--prior_data", "none", "--learning_rate", "0.05", *FAST, *dirs(tmp_path)])
@@ -280,7 +284,7 @@ def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3, mo
 
 
 def test_a_resume_file_from_before_frozen_dtype_resumes_where_its_frozen_weights_were_fp32():
-    from trainer.trainer_utils import check_resume
+    from trainer.resume import check_resume
 
     args = train_lora.parse_args([])
     saved = {k: v for k, v in vars(args).items() if k != "frozen_dtype"}

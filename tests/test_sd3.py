@@ -20,8 +20,9 @@ from model.errors import UserError
 from model.weights import load_weights
 import trainer.train_full_sft as train_full_sft
 from tests.scripts import run, run_in_process
-from tests.test_finetune import SignalAt, final_state
+from tests.conftest import SignalAt, final_state
 from tests.tiny_sd3 import build_folder
+from tests.conftest import diffusers_image, dirs
 
 FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
         "--preset", "sd3-tiny", "--resolution", "32"]
@@ -43,22 +44,6 @@ def photos(tmp_path_factory):
     (folder / "p4.txt").write_text("a caption far longer than the seventy-seven tokens that CLIP reads, so that the "
                                    "encoders have to cut it short and the run has to say so")  # a token a letter
     return folder
-
-
-def dirs(tmp_path):
-    return ["--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt"), "--cache_dir",
-            str(tmp_path / "cache")]
-
-
-def diffusers_image(pipeline, prompt, seed, steps, cfg, resolution=32, **extra):
-    """What StableDiffusion3Pipeline draws with our sampler's settings: our step schedule (evenly spaced sigmas,
-    shifted by the scheduler) and our unconditional input (zero text). -> [3, H, W] in [-1, 1]."""
-    sigmas = list(np.linspace(1.0, 0.0, steps + 1)[:-1])
-    out = pipeline(prompt, height=resolution, width=resolution, num_inference_steps=steps, guidance_scale=cfg,
-                   sigmas=sigmas, generator=torch.Generator().manual_seed(seed), max_sequence_length=77,
-                   negative_prompt_embeds=torch.zeros(1, 154, 4096), negative_pooled_prompt_embeds=torch.zeros(1, 2048),
-                   output_type="pt", **extra)
-    return out.images[0] * 2 - 1
 
 
 @pytest.mark.slow

@@ -14,8 +14,7 @@ from model.single_file import PREFIX, single_file_state
 from model.weights import load_weights, single_file_path
 
 from tests.scripts import run_in_process
-from tests.test_finetune import QUIET
-from tests.test_model_sd3light import CONFIGS, randomise
+from tests.conftest import CONFIGS, QUIET, randomise
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

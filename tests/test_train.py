@@ -13,21 +13,18 @@ from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigm
 import trainer.train_pretrain as train_pretrain
 from dataset.samplers import BucketSampler, EpochSampler
 from model import precision
+from model.precision import autocast_dtype
 from model.errors import UserError
 from model.weights import load_weights
-from trainer.arguments import autocast_dtype
-from trainer.flow_matching import flow_matching_loss
-from trainer.trainer_utils import EMA, lr_at
+from trainer.flow_matching import FlowRecipe, flow_matching_loss
+from trainer.ema import EMA
+from trainer.trainer_utils import lr_at
 
 from tests.scripts import run, run_in_process
+from tests.conftest import metric_steps
 
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
              "--sample_interval", "0", "--sample_steps", "2"]
-
-
-def metric_steps(path):
-    with open(path) as f:
-        return [json.loads(line)["step"] for line in f]
 
 
 @pytest.mark.slow
@@ -129,7 +126,7 @@ def test_loss_falls_when_overfitting_a_fixed_batch():
     losses = []
     for step in range(80):
         generator = torch.Generator().manual_seed(step % 4)  # the same few noise draws again and again
-        loss = flow_matching_loss(model, components, batch, generator, args)
+        loss = flow_matching_loss(model, components, batch, generator, FlowRecipe.of(args, args.prediction, None))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -8,8 +8,10 @@ resume treats it (the group is where the argument is declared, and what --help s
     free      what changes nothing that is trained (sampling, intervals): free to change on resume
 
 This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value
-is one line naming the argument, and the plumbing that every stage shares and nobody tunes (--base, --data,
-paths, resume, cache, intervals, workers, dtype, sharding, wandb).
+is one line naming the argument, the argument groups several stages share, declared once here, each stage
+setting its own defaults in its script (parser.set_defaults: the recipe is read there), and the plumbing that
+every stage shares and nobody tunes (--base, --data, paths, resume, cache, intervals, workers, dtype, sharding,
+wandb).
 """
 import argparse
 import math
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-from model.precision import FROZEN_DTYPES, resolve_dtype
+from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
@@ -98,6 +100,65 @@ def bucket_count(text):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Argument groups several stages share: each stage sets its defaults (parser.set_defaults) in its script
+
+
+def add_optimizer_args(parser):
+    """The batch, AdamW's rate, decay and clipping, the EMA and the seed."""
+    a = parser.recipe.add_argument
+    a("--batch_size", type=positive_int, default=16, help="samples (DPO: pairs) per process")
+    a("--accumulation_steps", type=positive_int, default=1)
+    a("--learning_rate", type=positive_float, default=1e-4)
+    a("--weight_decay", type=non_negative_float, default=0.0)
+    a("--grad_clip", type=positive_float, default=1.0, help="max gradient norm (per network)")
+    a("--ema_decay", type=decay, default=0.0, help="EMA of what trains, exported and sampled; 0 = none")
+    a("--seed", type=non_negative_int, default=0)
+
+
+def add_schedule_args(parser):
+    """Warmup, the cosine decay, and how long: --epochs, or --max_steps."""
+    parser.recipe.add_argument("--warmup_steps", type=non_negative_int, default=0)
+    parser.recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
+                               "along a cosine to this fraction of it (1 = constant)")
+    parser.length.add_argument("--epochs", type=positive_int, default=1)
+    parser.length.add_argument("--max_steps", type=non_negative_int, default=0, help="optimizer steps; 0 = run "
+                               "--epochs")
+
+
+def add_flow_args(parser, loss=True):
+    """The flow loss's recipe (trainer/flow_matching.FlowRecipe): how sigmas are drawn and, with `loss`, the loss,
+    its weighting and the caption dropout."""
+    a = parser.recipe.add_argument
+    a("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
+    a("--logit_mean", type=finite_float, default=0.0)
+    a("--logit_std", type=positive_float, default=1.0)
+    a("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
+    if loss:
+        a("--loss", default="mse", choices=["mse", "huber"])
+        a("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
+        a("--caption_dropout", type=probability, default=0.0, help="probability of training a sample "
+          "unconditionally")
+
+
+def add_sampling_args(parser):
+    """How the sample grids draw (trainer/previews.py)."""
+    a = parser.free.add_argument
+    a("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
+    a("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")
+    a("--sample_shift", type=positive_float, default=3.0)
+
+
+def add_export_args(parser):
+    """What a save writes besides our weights (model/weights.py export_weights)."""
+    a = parser.free.add_argument
+    a("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers pipeline folder "
+      "(needs --base and v-prediction); out/<run>/transformer/ is always written for v-prediction")
+    a("--export_single_file", action="store_true", help="also write out/<run>_single_file.safetensors: the "
+      "original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and diffusers' from_single_file "
+      "(needs v-prediction)")
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Plumbing every stage shares
 
 
@@ -160,6 +221,7 @@ def add_data_args(parser):
     """What a stage does with your images (--data a folder or .jsonl; dataset/samples.py), as kohya's sd-scripts
     and OneTrainer do it, and the images held out for validation."""
     a = parser.recipe.add_argument
+    a("--num_samples", type=positive_int, default=8000, help="size of the built-in dataset")
     a("--caption_prefix", default="", help="put before every caption, e.g. a trigger word: 'sks photo, '")
     a("--caption_suffix", default="", help="put after every caption")
     a("--caption_lines", default="each", choices=["each", "join"], help="a .txt of several lines: each line a "
@@ -181,9 +243,3 @@ def add_validation_args(parser):
       "split); or hold out part of --data with --val_fraction")
     a("--val_interval", type=positive_int, default=100, help="steps between validation losses (and at the end)")
     a("--val_samples", type=positive_int, default=64, help="at most this many validation images")
-
-
-def autocast_dtype(dtype, device):
-    """--dtype as the autocast dtype on `device`, or None for plain fp32 (auto, fast: see model/precision.py; a run
-    resolves it once at start, TrainingRun)."""
-    return torch.bfloat16 if resolve_dtype(dtype, device)[0] == "bf16" else None

@@ -25,7 +25,24 @@ from torch import nn
 from model.rectified_flow import (
     add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas, with_unconditional,
 )
-from trainer.arguments import autocast_dtype
+
+
+@dataclass(frozen=True)
+class DistillRecipe:
+    """How the distillation losses train: the teacher's prediction, the autocast dtype (None: fp32), the generator's
+    steps and shift, the shift and range of the sigmas the scores compare at, the teacher's guidance and where it
+    applies, and the GAN terms' weights (0: off)."""
+    prediction: str
+    autocast: torch.dtype = None
+    gen_steps: int = 4
+    gen_shift: float = 3.0
+    score_shift: float = 3.0
+    real_guidance: float = 1.0
+    guidance_interval: tuple = (0.0, 0.5)
+    min_sigma: float = 0.02
+    max_sigma: float = 0.98
+    gan_weight: float = 0.0
+    gan_d_weight: float = 1e-2
 
 
 @dataclass
@@ -129,76 +146,76 @@ def dmd_direction(x0_gen, x0_real, x0_fake):
     return torch.nan_to_num((p_real - p_fake) / p_real.abs().mean(dim=(1, 2, 3), keepdim=True))
 
 
-def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, args):
+def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     """The distribution-matching loss: 0.5 * mse(x, x - grad) with grad fixed, whose gradient in x is `grad`
     (dmd_direction) over the number of elements. Both scores see the noised sample without gradients."""
-    dtype = autocast_dtype(args.dtype, x0_gen.device)
+    dtype = recipe.autocast
     with torch.no_grad():
         x_t = add_noise(x0_gen.detach(), noise, s)
-        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, args.prediction, dtype, args.real_guidance,
-                            args.guidance_interval)
-        x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, args.prediction, dtype)
+        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, recipe.prediction, dtype, recipe.real_guidance,
+                            recipe.guidance_interval)
+        x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, recipe.prediction, dtype)
         grad = dmd_direction(x0_gen.detach(), x0_real, x0_fake)
     return 0.5 * F.mse_loss(x0_gen, (x0_gen - grad).detach())
 
 
-def gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, args):
+def gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     """The generator's GAN term, gan_weight * softplus(-D(sample)), whose gradient reaches the generator alone: its
     gradient in the sample is taken through the fake score and the head (their weights untouched), then applied
     to x0_gen by a surrogate whose value is the term and whose gradient in x0_gen is that gradient."""
-    dtype = autocast_dtype(args.dtype, x0_gen.device)
+    dtype = recipe.autocast
     sample = x0_gen.detach().requires_grad_(True)
     with torch.enable_grad(), middle_features(nets.fake) as found:
-        velocity(nets.fake, add_noise(sample, noise, s), tokens, pooled, s, args.prediction, dtype)
-        loss = args.gan_weight * F.softplus(-nets.head(found["tokens"])).mean()
+        velocity(nets.fake, add_noise(sample, noise, s), tokens, pooled, s, recipe.prediction, dtype)
+        loss = recipe.gan_weight * F.softplus(-nets.head(found["tokens"])).mean()
         (grad,) = torch.autograd.grad(loss, sample)
     pull = (x0_gen * grad.detach()).sum()
     return pull - pull.detach() + loss.detach()
 
 
-def fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, args):
+def fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, recipe):
     """The fake score's flow loss on the detached generator sample at sigmas `s`. With the GAN on, the head learns
     on the same forward, real latents noised alike: gan_d_weight * (softplus(D(generated)) + softplus(-D(real))).
     -> (flow loss, GAN loss or None)."""
-    dtype = autocast_dtype(args.dtype, x0_gen.device)
+    dtype = recipe.autocast
     x0 = x0_gen.detach()
     if nets.head is None:
-        v = velocity(nets.fake_train, add_noise(x0, noise, s), tokens, pooled, s, args.prediction, dtype)
+        v = velocity(nets.fake_train, add_noise(x0, noise, s), tokens, pooled, s, recipe.prediction, dtype)
         return flow_loss(v, x0, noise, s), None
     with middle_features(nets.fake) as found:
         x_t = torch.cat([add_noise(x0, noise, s), add_noise(real, noise, s)])
         v = velocity(nets.fake_train, x_t, torch.cat([tokens, tokens]), torch.cat([pooled, pooled]),
-                     torch.cat([s, s]), args.prediction, dtype)
+                     torch.cat([s, s]), recipe.prediction, dtype)
         logits_fake, logits_real = nets.head_train(found["tokens"]).chunk(2)
     gan = F.softplus(logits_fake).mean() + F.softplus(-logits_real).mean()
-    return flow_loss(v[:len(x0)], x0, noise, s), args.gan_d_weight * gan
+    return flow_loss(v[:len(x0)], x0, noise, s), recipe.gan_d_weight * gan
 
 
-def distillation_losses(nets, components, batch, rng, k, update_generator, args):
+def distillation_losses(nets, components, batch, rng, k, update_generator, recipe):
     """One micro-batch: encode (or read) it, let the generator draw from noise (its step k; with gradients on
     generator-update steps), then the losses -> {"fake_score", "gan_d" (GAN on), and on update steps "dmd",
     "gan_g" (GAN on)}, weighted: backward takes their sum, and each reaches its own network only. `rng` draws,
     in order: the latents, the noise, the re-noising, the sigmas and noise of the losses."""
     device = next(nets.generator.parameters()).device
-    dtype = autocast_dtype(args.dtype, device)
+    dtype = recipe.autocast
     with torch.no_grad():
         features = {key: value.to(device) for key, value in batch.items()} if "latents" in batch else \
             components.encode(batch["image"].to(device), list(batch["caption"]))
         tokens, pooled = components.condition(features)
         real = components.latents(features, rng)
-    n, sigmas = len(real), generator_sigmas(args.gen_steps, args.gen_shift).to(device)
+    n, sigmas = len(real), generator_sigmas(recipe.gen_steps, recipe.gen_shift).to(device)
     noise = torch.randn(real.shape, generator=rng).to(device)
-    x0_gen = generate(nets, noise, tokens, pooled, sigmas, k, rng, args.prediction, dtype, grad=update_generator)
+    x0_gen = generate(nets, noise, tokens, pooled, sigmas, k, rng, recipe.prediction, dtype, grad=update_generator)
     losses = {}
     if update_generator:
-        s = score_sigmas(n, args.score_shift, args.min_sigma, args.max_sigma, rng).to(device)
+        s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
         noise = torch.randn(real.shape, generator=rng).to(device)
-        losses["dmd"] = dmd_loss(nets, x0_gen, tokens, pooled, s, noise, args)
+        losses["dmd"] = dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
         if nets.head is not None:
-            losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, args)
-    s = score_sigmas(n, args.score_shift, args.min_sigma, args.max_sigma, rng).to(device)
+            losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
+    s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
     noise = torch.randn(real.shape, generator=rng).to(device)
-    losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, args)
+    losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, recipe)
     if gan_d is not None:
         losses["gan_d"] = gan_d
     return losses

@@ -10,6 +10,7 @@ between their losses is the image alone. The implicit reward accuracy is the fra
 (ties count half), its margin the mean of inside.
 """
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +24,41 @@ from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
 from model.rectified_flow import add_noise, predict_velocity, sample_sigmas
-from trainer.arguments import autocast_dtype
+
+
+@dataclass(frozen=True)
+class DPORecipe:
+    """How the Flow-DPO loss trains: beta, what the model predicts, how the shared sigmas are drawn (scheme,
+    logit-normal mean and std, shift), and the autocast dtype (None: fp32)."""
+    prediction: str
+    dpo_beta: float = 1000.0
+    sigma_scheme: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    train_shift: float = 3.0
+    autocast: torch.dtype = None
+
+
+@dataclass(frozen=True)
+class PairRounds:
+    """How a run draws its own pairs each round: prompts a round, images a prompt, which pairs of them (choice),
+    the sampler (steps, cfg, shift), the seed, the resolution, the prediction, the autocast dtype, and the
+    captions never drawn (the scored prompts never become pairs)."""
+    prompts: int
+    images: int
+    choice: str
+    sampling: dict
+    seed: int
+    resolution: int
+    prediction: str
+    autocast: torch.dtype = None
+    avoid: tuple = ()
+
+    def resolved(self, drawing):
+        """What the run took from the starting weights for --pair_sample_cfg and --pair_sample_shift (when
+        `drawing` its pairs), for the resume checkpoint to record."""
+        return {"pair_sample_cfg": self.sampling["cfg"], "pair_sample_shift": self.sampling["shift"]} if drawing \
+            else {}
 
 
 def frozen_copy_reference(reference):
@@ -57,12 +92,11 @@ def dpo_inside(errors, reference_errors, beta):
     return -0.5 * beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
 
 
-def flow_dpo_loss(policy, reference, components, batch, generator, args):
+def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
     (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
     reference model. `generator` draws each side's latent sample, the shared noise and the shared sigmas, in that
-    order. The recipe comes from `args`: dpo_beta, sigma_scheme, logit_mean, logit_std, train_shift, prediction,
-    dtype."""
+    order, as `recipe` (DPORecipe) says."""
     device = next(policy.parameters()).device
     with torch.no_grad():
         features = pair_batch_features(components, batch, device)
@@ -70,21 +104,21 @@ def flow_dpo_loss(policy, reference, components, batch, generator, args):
         chosen = components.latents(side(features, "chosen"), generator)
         rejected = components.latents(side(features, "rejected"), generator)
     noise = torch.randn(chosen.shape, generator=generator).to(device)
-    s = sample_sigmas(len(chosen), args.sigma_scheme, args.logit_mean, args.logit_std, shift=args.train_shift,
-                      generator=generator).to(device)
+    s = sample_sigmas(len(chosen), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
+                      shift=recipe.train_shift, generator=generator).to(device)
     x0, noise, s = torch.cat([chosen, rejected]), torch.cat([noise, noise]), torch.cat([s, s])
     tokens, pooled, x_t = torch.cat([tokens, tokens]), torch.cat([pooled, pooled]), add_noise(x0, noise, s)
     target = (noise - x0).float()
-    dtype = autocast_dtype(args.dtype, device)
+    dtype = recipe.autocast
 
     def errors(model):
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            v = predict_velocity(model, x_t, tokens, pooled, s, args.prediction)
+            v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction)
         return (v.float() - target).pow(2).flatten(1).mean(1)
 
     with torch.no_grad(), reference() as reference_model:
         reference_errors = errors(reference_model)
-    inside = dpo_inside(errors(policy), reference_errors, args.dpo_beta)
+    inside = dpo_inside(errors(policy), reference_errors, recipe.dpo_beta)
     accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()
     return {"dpo": -F.logsigmoid(inside).mean(), "reward_accuracy": accuracy.detach(),
             "reward_margin": inside.mean().detach()}
@@ -141,19 +175,18 @@ def draw_round(model, components, specs, images_per_prompt, sampling, seeds, res
     return pairs, stats
 
 
-def refresh_pool(pool, round_, model, components, info, args, log, avoid):
-    """Fill `pool` with round `round_`'s pairs: --pair_prompts fresh training-grammar prompts (none in `avoid`),
-    each sampled --pair_images times by the current `model` and scored, dealt round-robin to the processes and
+def refresh_pool(pool, round_, model, components, info, rounds, log):
+    """Fill `pool` with round `round_`'s pairs: `rounds.prompts` fresh training-grammar prompts (none in rounds.avoid),
+    each sampled `rounds.images` times by the current `model` and scored, dealt round-robin to the processes and
     gathered, so every process holds the same pool. -> {"pair_score", "pair_right", "pairs"} for the metrics."""
-    specs = training_prompts(args.pair_prompts, seed=args.seed * 100003 + round_, avoid=avoid)
+    specs = training_prompts(rounds.prompts, seed=rounds.seed * 100003 + round_, avoid=rounds.avoid)
     per_rank = -(-len(specs) // info.world_size)  # every rank samples as many (its last repeated): equal forwards
     mine = list(range(info.rank, len(specs), info.world_size))
     mine += mine[-1:] * (per_rank - len(mine))
-    sampling = {"steps": args.pair_sample_steps, "cfg": args.pair_sample_cfg, "shift": args.pair_sample_shift}
-    seed = (args.seed * 100003 + round_) * 1000
-    pairs, stats = draw_round(model, components, [specs[k] for k in mine], args.pair_images, sampling,
-                              [seed + k * args.pair_images for k in mine], args.resolution, args.prediction,
-                              info.device, args.pair_choice, autocast=autocast_dtype(args.dtype, info.device))
+    seed = (rounds.seed * 100003 + round_) * 1000
+    pairs, stats = draw_round(model, components, [specs[k] for k in mine], rounds.images, rounds.sampling,
+                              [seed + k * rounds.images for k in mine], rounds.resolution, rounds.prediction,
+                              info.device, rounds.choice, autocast=rounds.autocast)
     drawn = dict(zip(mine, zip(pairs, stats)))
     if info.world_size > 1:
         gathered = [None] * info.world_size
@@ -171,6 +204,6 @@ def refresh_pool(pool, round_, model, components, info, args, log, avoid):
     elif pool.captions:  # every prompt's images scored alike: train on the last round's pairs a while longer
         pool.round = round_
     else:
-        raise UserError(f"no preference pairs: all {args.pair_images} images of each of the {len(specs)} prompts "
+        raise UserError(f"no preference pairs: all {rounds.images} images of each of the {len(specs)} prompts "
                         "scored alike; raise --pair_images or --pair_prompts, or sample with more noise")
     return {"pair_score": float(score), "pair_right": float(right), "pairs": len(kept)}

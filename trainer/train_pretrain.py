@@ -5,137 +5,125 @@
     python trainer/train_pretrain.py --data my_images/ --resolution 64 --preset small
     python trainer/train_pretrain.py --base /models/sd3-medium --preset base --data my_images/ --resolution 256
 
-The recipe: the flow-matching loss (trainer/flow_matching.py) on logit-normal sigmas with 10% caption dropout,
-AdamW at 1e-3 with 100 warmup steps and a cosine decay to a tenth, 4 epochs of the 20,000 built-in samples in
-steps of 16, an EMA of the weights (0.995), saved every 200 steps and at the end. Writes out/pretrain_<preset>.json
+It trains the flow-matching loss (trainer/flow_matching.py) with AdamW, a warmup and a cosine decay, and keeps an
+EMA of the weights; the numbers are the recipe at the end of parse_args. Writes out/pretrain_<preset>.json
 and the files it names (weights for sampling and fine-tuning; a v-prediction model also as a diffusers transformer
 in out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in
 out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its
 file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 """
-import contextlib
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model.checkpoint import manifest_path  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
 from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import export_weights, run_name  # noqa: E402
+from model.weights import WeightsExport, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_plumbing_args, add_validation_args, autocast_dtype, decay,
-    finite_float, non_negative_float, non_negative_int, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
+    add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
-from trainer.flow_matching import flow_matching_loss  # noqa: E402
+from trainer.checkpointer import export_record  # noqa: E402
+from trainer.ema import EMA  # noqa: E402
+from trainer.flow_matching import FlowRecipe, flow_matching_loss  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
-from trainer.startup import start_up  # noqa: E402
-from trainer.trainer_utils import EMA, init_distributed  # noqa: E402
+from trainer.previews import Previews, grid_sampling  # noqa: E402
+from trainer.startup import open_run, start_up  # noqa: E402
 from trainer.training_run import TrainingRun  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = StageParser(__doc__)
-    run, recipe, length, free = parser.identity, parser.recipe, parser.length, parser.free
-    run.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the transformer's size (python -m "
-                     "model.model_sd3light); its channels and text widths are the components'")
-    run.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
-                     "square, or the area of the aspect-ratio buckets")
-    run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="what the transformer outputs: x = "
-                     "the clean latent (cleaner images, steadier shapes in pixel space: the default on the built-in "
-                     "components), v = the velocity (SD3's own, what diffusers samples: the default with --base)")
-    recipe.add_argument("--num_samples", type=positive_int, default=20000, help="size of the built-in dataset")
-    recipe.add_argument("--batch_size", type=positive_int, default=16, help="per process")
-    recipe.add_argument("--accumulation_steps", type=positive_int, default=1)
-    recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "adamw8bit"], help="muon = Muon for "
-                        "the blocks' 2-D weights (its step scaled to AdamW's size, so one --learning_rate serves "
-                        "both), AdamW for the rest; adamw8bit = torchao's 8-bit AdamW (2 bytes of state a parameter "
-                        "instead of 8)")
-    recipe.add_argument("--learning_rate", type=positive_float, default=1e-3)
-    recipe.add_argument("--warmup_steps", type=non_negative_int, default=100)
-    recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
-                        "along a cosine to this fraction of it (1 = constant)")
-    recipe.add_argument("--weight_decay", type=non_negative_float, default=0.0)
-    recipe.add_argument("--grad_clip", type=positive_float, default=1.0, help="max gradient norm")
-    recipe.add_argument("--ema_decay", type=decay, default=0.995, help="EMA of the weights, exported and sampled; "
-                        "0 = none")
-    recipe.add_argument("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
-    recipe.add_argument("--logit_mean", type=finite_float, default=0.0)
-    recipe.add_argument("--logit_std", type=positive_float, default=1.0)
-    recipe.add_argument("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
-    recipe.add_argument("--loss", default="mse", choices=["mse", "huber"])
-    recipe.add_argument("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
-    recipe.add_argument("--caption_dropout", type=probability, default=0.1, help="probability of training a sample "
-                        "unconditionally")
-    recipe.add_argument("--seed", type=non_negative_int, default=0)
-    length.add_argument("--epochs", type=positive_int, default=4)
-    length.add_argument("--max_steps", type=non_negative_int, default=0, help="optimizer steps; 0 = run --epochs")
-    free.add_argument("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
-    free.add_argument("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")
-    free.add_argument("--sample_shift", type=positive_float, default=3.0)
-    free.add_argument("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers "
-                      "pipeline folder (needs --base and v-prediction); out/<run>/transformer/ is always written "
-                      "for v-prediction")
-    free.add_argument("--export_single_file", action="store_true", help="also write out/<run>_single_file"
-                      ".safetensors: the original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and "
-                      "diffusers' from_single_file (needs v-prediction)")
+    parser.identity.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the transformer's size "
+                                 "(python -m model.model_sd3light); its channels and text widths are the components'")
+    parser.identity.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side "
+                                 "of the square, or the area of the aspect-ratio buckets")
+    parser.identity.add_argument("--prediction", default=None, choices=PREDICTIONS, help="what the transformer "
+                                 "outputs: x = the clean latent (cleaner images, steadier shapes in pixel space: the "
+                                 "default on the built-in components), v = the velocity (SD3's own, what diffusers "
+                                 "samples: the default with --base)")
+    parser.recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "muon", "adamw8bit"], help="muon = "
+                               "Muon for the blocks' 2-D weights (its step scaled to AdamW's size, so one "
+                               "--learning_rate serves both), AdamW for the rest; adamw8bit = torchao's 8-bit AdamW "
+                               "(2 bytes of state a parameter instead of 8)")
+    add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
+    add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
+    add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
+    add_sampling_args(parser)
+    add_export_args(parser)
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
     add_plumbing_args(parser)
+    # The recipe: 4 epochs of the 20,000 built-in samples in steps of 16, AdamW at 1e-3 with 100 warmup steps and a
+    # cosine decay to a tenth, an EMA of 0.995, logit-normal sigmas, 10% caption dropout
+    parser.set_defaults(num_samples=20000, batch_size=16, learning_rate=1e-3, warmup_steps=100, min_lr_ratio=0.1,
+                        epochs=4, max_steps=0, weight_decay=0.0, grad_clip=1.0, ema_decay=0.995,
+                        sigma_scheme="logit_normal", train_shift=1.0, loss="mse", weighting="none",
+                        caption_dropout=0.1, save_interval=200, sample_interval=400)
     return parser.parse_args(argv)
+
+
+def make_optimizer(model, args):
+    """AdamW (fused: one kernel for all parameters, on a CPU too); or Muon for the blocks' matrices (orthogonalised)
+    with AdamW for embeddings, norms and biases; or 8-bit AdamW (2 bytes of state a parameter instead of 8)."""
+    params = list(model.parameters())
+    if args.optimizer == "muon":
+        hidden, rest = model.block_matrices_and_rest()
+        return [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
+                                 adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
+    if args.optimizer == "adamw8bit":
+        return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
+                                                                       weight_decay=args.weight_decay)
+    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    info = init_distributed(args.fsdp, args.fsdp_shard_size)
-    run = TrainingRun(args, info, "pretrain", run_name("pretrain", args.preset))
+    name, prediction = run_name("pretrain", args.preset), args.prediction or ("v" if args.base else "x")
+    info, metrics, checkpointer, precision = open_run(args, "pretrain", name)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    args.prediction = args.prediction or ("v" if args.base else "x")
 
     # The frozen components, the data (and its cache); a fresh transformer: the preset's size on the components'
     # widths
-    start = start_up(args, info, run, {"model": "trained"}, fresh=SD3Light)
+    start = start_up(args, info, precision, metrics.log, {"model": "trained"}, fresh=SD3Light, prediction=prediction)
     if start.dataset is None:  # --cache_only: the cache is built
-        return run.step
-    model, components, dataset, prompts, config = (start.nets["model"], start.components, start.dataset,
-                                                   start.prompts, start.config)
+        return 0
+    model, components = start.nets["model"], start.components
+    recipe = FlowRecipe.of(args, prediction, precision.autocast)
 
-    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for all
-    # parameters, on a CPU too); an EMA follows them
-    train_model = data_parallel(model, info, args.compile, autocast_dtype(args.dtype, info.device))
-    params = list(model.parameters())
-    if args.optimizer == "muon":  # the blocks' matrices orthogonalised (Muon); embeddings, norms, biases with AdamW
-        hidden, rest = model.block_matrices_and_rest()
-        optimizer = [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                      adjust_lr_fn="match_rms_adamw"),
-                     torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
-    elif args.optimizer == "adamw8bit":  # 2 bytes of state a parameter instead of 8
-        optimizer = import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
-                                                                            weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains; an EMA follows them
+    train_model = data_parallel(model, info, args.compile, precision.autocast)
+    params, optimizer = list(model.parameters()), make_optimizer(model, args)
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
-    stem = os.path.join(args.out_dir, run.name)
 
-    def export(step, weights):  # the EMA weights (else the raw ones) in --save_dtype, and a diffusers folder for v
-        return export_weights(stem, step, model, weights, components, run.weights_record(config, components),
-                              SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
+    # A save: the resume checkpoint (model, optimizer, EMA, data position), then the EMA weights (else the raw ones)
+    # in --save_dtype, and for v-prediction a diffusers folder
+    sampling = grid_sampling(args)
+    record = export_record(args, "pretrain", prediction, sampling, start.config, components)
+    export = WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
+                           args.export_pipeline, args.export_single_file)
+    run = TrainingRun(args, info, start.dataset, metrics)
+    checkpointer.start(run, export, exported=ema or model, resolved={"prediction": prediction, **precision.as_args()},
+                       model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)
+    previews = Previews(args, info, name, model, ema, components, start.prompts, sampling, prediction, precision,
+                        start.validation, metrics.log)
 
-    def sample_model():  # the sample grids show what is exported: the EMA swapped in while they are drawn
-        return ema.swapped_in(model) if ema else contextlib.nullcontext(model)
-
-    run.start(dataset, components, prompts, manifest_path(stem), exported=ema or model, model=model,
-              optimizer=NamedOptimizerState(model, optimizer), ema=ema, validation=start.validation)
-    # Each step: this rank's micro-batches -> the flow loss -> backward, accumulated -> NaN guard, clipping, AdamW
-    # step, EMA -> metrics; every --save_interval steps a save, every --sample_interval a grid (and both at the end)
     for batches in run.steps(train_model):
         lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        loss = run.backward(batches, lambda b: flow_matching_loss(train_model, components, b, run.generator, args))
-        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)
-        run.end_step(export, sample_model, loss=loss, lr=lr, grad_norm=grad_norm)
+        for batch in batches:  # the flow loss of each micro-batch; the gradients accumulate
+            run.backward(flow_matching_loss(train_model, components, batch, run.generator, recipe))
+        loss = run.mean_losses()["loss"]
+        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)  # clipped; skipped if not finite
+        run.end_step()
+        metrics.write(run, loss=loss, lr=lr, grad_norm=grad_norm, val_loss=previews.validate(run))
+        checkpointer.save(run)  # every --save_interval steps, at the end, and on a stop signal
+        previews.grid(run)  # every --sample_interval steps and at the end
+    checkpointer.finish(run, components)
     return run.step
 
 

@@ -1,0 +1,65 @@
+"""The processes of a run: torchrun's ranks (NCCL on CUDA, gloo on CPU), the device mesh FSDP shards over, and the
+one all-reduce a step needs for its logged losses."""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from model.errors import UserError
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: object = None  # the device mesh FSDP shards over (--fsdp 1), else None
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+    @property
+    def sharded(self):
+        return self.mesh is not None
+
+
+def init_distributed(fsdp=0, shard_size=0):
+    """torchrun sets RANK/WORLD_SIZE: NCCL on CUDA, gloo on CPU. Plain `python` runs as one process. With `fsdp`, a
+    device mesh to shard over: every process holds a shard, or with `shard_size` the processes form groups of
+    that size that shard within and replicate across (hybrid sharding: a group per node). Checked first: a bad
+    size is one line before any work."""
+    cuda = torch.cuda.is_available()
+    env = "RANK" in os.environ
+    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if env else (0, 0, 1)
+    if shard_size and not fsdp:
+        raise UserError("--fsdp_shard_size shards the weights: it needs --fsdp 1")
+    if shard_size and world % shard_size:
+        raise UserError(f"--fsdp_shard_size {shard_size} does not divide the {world} process(es): use a divisor of "
+                        f"{world}, e.g. the GPUs of one node, or 0 to shard over all")
+    device = torch.device((f"cuda:{local_rank}" if env else "cuda") if cuda else "cpu")
+    if env and cuda:
+        torch.cuda.set_device(local_rank)
+    if env:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    elif fsdp:  # FSDP on one process: a group of one
+        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    mesh = None
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        groups = world // shard_size if shard_size else 1
+        mesh = init_device_mesh(device.type, (groups, world // groups), mesh_dim_names=("replicate", "shard")) \
+            if groups > 1 else init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return DistInfo(rank, local_rank, world, device, mesh)
+
+
+def mean_and_any(values, flag, info):
+    """(the means of a list of floats over ranks, whether `flag` is set on any rank), in one all-reduce."""
+    if info.world_size == 1:
+        return list(values), bool(flag)
+    t = torch.tensor([*values, float(flag)], dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return [v / info.world_size for v in t[:-1].tolist()], t[-1].item() > 0

@@ -1,0 +1,119 @@
+"""What a run shows while it trains: its lines (rank 0, through the progress bar while it shows), the metrics file
+out/<run>_metrics.jsonl (a row a step), the progress bar, wandb, and the curves drawn from the file at each save.
+"""
+import json
+import os
+
+from eval.plot_metrics import plot_runs
+from model.file_io import atomic_write_text
+
+
+class MetricsLog:
+    """The lines, metric rows, progress bar and wandb run of one run; rank 0 alone writes."""
+
+    def __init__(self, args, info, stage, name):
+        self.info, self.stage, self.name, self.out_dir = info, stage, name, args.out_dir
+        self.wandb = (args.wandb_project, vars(args)) if args.use_wandb else None
+        self.path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
+        self.log_ids = bool(args.log_sample_ids)
+        self.bar = self.bar_span = self.wandb_run = self.last_val = None
+
+    def log(self, msg):
+        """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
+        if self.info.is_main:
+            if self.bar is not None:
+                self.bar.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def open(self, first_step, last_step, resumed, wandb_id=None):
+        """Rows past `first_step` belong to an earlier run, or to the lost tail of the resumed one: dropped (a fresh
+        run keeps none). wandb continues `wandb_id`'s run. -> the wandb run's id (None without wandb)."""
+        self.bar_span = (first_step, last_step)  # the bar opens when the first step ends (write)
+        if not self.info.is_main:
+            return wandb_id
+        os.makedirs(self.out_dir, exist_ok=True)
+        truncate_metrics(self.path, first_step if resumed else -1)
+        if self.wandb is not None:
+            import wandb
+
+            project, config = self.wandb
+            self.wandb_run = wandb.init(project=project, name=self.name, id=wandb_id, resume="allow", config=config,
+                                        dir=self.out_dir,
+                                        mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
+            return self.wandb_run.id
+        return wandb_id
+
+    def write(self, run, val_loss=None, **metrics):
+        """The step's row (unless its update was skipped): its metrics, the validation loss when it was scored,
+        the images a second that training alone ran at, and the samples seen; the bar moves on."""
+        self._open_bar()
+        if val_loss is not None:
+            metrics["val_loss"] = val_loss
+        if self.info.is_main and not run.skipped:
+            row = {"step": run.step, "epoch": run.epoch, **metrics, "images_per_s": run.images_per_s,
+                   "samples_seen": run.samples_seen}
+            if self.log_ids:
+                row["sample_ids"] = run.ids
+            self.write_row(row)
+            self.last_val = metrics.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
+            shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in
+                     {**metrics, "val_loss": self.last_val}.items()
+                     if name != "grad_norm" and isinstance(value, float)}
+            self.bar.set_postfix(shown, img_s=f"{run.images_per_s:.0f}")
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def write_row(self, row):
+        """One row of the metrics file (rank 0), and to wandb."""
+        if not self.info.is_main:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(row, step=row["step"])
+
+    def _open_bar(self):
+        """The progress bar, from the end of the first step on: an error in the first step (the one that meets bad
+        data, memory limits, an empty pair set) then prints as one line, with no half-drawn bar around it."""
+        if self.info.is_main and self.bar is None:
+            from tqdm import tqdm
+
+            first, total = self.bar_span
+            self.bar = tqdm(total=total, initial=first, desc=self.stage, dynamic_ncols=True)
+
+    def plot(self, step):
+        """The run's curves so far (eval/plot_metrics.py) beside its sample grids; a failure is a warning, never
+        the end of training."""
+        if not self.info.is_main:
+            return
+        path = os.path.join(self.out_dir, "samples", f"{self.name}_metrics.png")
+        try:
+            plot_runs([self.path], path, title=f"{self.name} (step {step})")
+        except Exception as e:  # a plot is a convenience: the weights are saved already
+            self.log(f"warning: could not draw {path}: {' '.join(str(e).split())[:200]}")
+            return
+        self.log(f"curves: {path}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def truncate_metrics(path, step):
+    """Drop metric rows past `step` (-1 for a fresh run: all of them, its step-0 row too), and a last line cut
+    short by a kill."""
+    if not os.path.exists(path):
+        return
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:  # a line without its newline is the half-written last row of a killed run
+                if line.endswith("\n") and json.loads(line)["step"] <= step:
+                    rows.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass
+    atomic_write_text(path, "".join(rows))
