@@ -36,7 +36,7 @@ def machine_name(device):
     return f"{model}, {os.cpu_count()} cores"
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--batch_size", type=int, default=8)
@@ -52,8 +52,66 @@ def main():
     parser.add_argument("--iters", type=int, default=20, help="timed rounds; each round times both models once")
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--only_ours", action="store_true", help="skip diffusers (for shapes it cannot fit in memory)")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def build_models(config, device, only_ours):
+    """SD3Light with random weights (initialize_weights zeroes adaLN and the output layer: randomised, so every
+    path does real arithmetic) and, unless `only_ours`, diffusers' transformer holding the same weights."""
+    ours = SD3Light(config).to(device)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.02)
+    models = {"SD3Light": ours}
+    if not only_ours:
+        from diffusers import SD3Transformer2DModel
+
+        theirs = SD3Transformer2DModel(**config.to_dict()).to(device)
+        theirs.load_state_dict(ours.state_dict(), strict=True)
+        models["diffusers"] = theirs
+    return models
+
+
+def training_steps(models, inputs, target, device, dtype, compile_models):
+    """-> {name: a function running one forward and backward of that model on the same batch}."""
+    steps = {}
+    for name, model in models.items():
+        fn = torch.compile(model) if compile_models else model
+
+        def step(name=name, fn=fn, model=model):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                out = fn(*inputs)
+                loss = ((out if name == "SD3Light" else out.sample).float() - target).pow(2).mean()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        steps[name] = step
+    return steps
+
+
+def time_steps(steps, device, warmup, iters):
+    """-> {name: seconds of each timed round}, the models taking turns (first one, then the other first)."""
+    def timed(step):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times, names = {name: [] for name in steps}, list(steps)
+    for i in range(iters):
+        for name in names if i % 2 == 0 else names[::-1]:
+            times[name].append(timed(steps[name]))
+    return times
+
+
+def main(argv=None):
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = preset_config(args.preset)
@@ -64,59 +122,14 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    ours = SD3Light(config).to(device)
-    # initialize_weights zeroes adaLN and the output layer; randomise so every path does real arithmetic
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.normal_(0, 0.02)
-    models = {"SD3Light": ours}
-    if not args.only_ours:
-        from diffusers import SD3Transformer2DModel
-
-        theirs = SD3Transformer2DModel(**config.to_dict()).to(device)
-        theirs.load_state_dict(ours.state_dict(), strict=True)
-        models["diffusers"] = theirs
-
+    models = build_models(config, device, args.only_ours)
     B = args.batch_size
-    x = torch.randn(B, config.in_channels, size, size, device=device)
-    context = torch.randn(B, text_len, config.joint_attention_dim, device=device)
-    pooled = torch.randn(B, config.pooled_projection_dim, device=device)
-    timestep = torch.rand(B, device=device) * 1000
+    inputs = (torch.randn(B, config.in_channels, size, size, device=device),
+              torch.randn(B, text_len, config.joint_attention_dim, device=device),
+              torch.randn(B, config.pooled_projection_dim, device=device), torch.rand(B, device=device) * 1000)
     target = torch.randn(B, config.output_channels, size, size, device=device)
-
-    def forward(name, model):
-        out = model(x, context, pooled, timestep)
-        return out if name == "SD3Light" else out.sample
-
-    steps = {}
-    for name, model in models.items():
-        fn = torch.compile(model) if args.compile else model
-
-        def step(name=name, fn=fn, model=model):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bf16"):
-                loss = (forward(name, fn).float() - target).pow(2).mean()
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-
-        steps[name] = step
-
-    def timed(step):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    times = {name: [] for name in steps}
-    names = list(steps)
-    for i in range(args.iters):
-        for name in names if i % 2 == 0 else names[::-1]:
-            times[name].append(timed(steps[name]))
+    times = time_steps(training_steps(models, inputs, target, device, args.dtype, args.compile), device,
+                       args.warmup, args.iters)
 
     flops = training_flops_per_sample(config, size, size, text_len) * B
     tokens = B * ((size // config.patch_size) ** 2 + text_len)

@@ -239,29 +239,8 @@ def _prepare(folder, fingerprint, num_samples, shard_size, say):
     index = _read_json(index_path)
     building = _read_json(building_path)
     if _is_index(index):
-        changes = describe_changes(index["fingerprint"], fingerprint)
-        changes += ["num_samples"] if index["num_samples"] != num_samples else []
-        if changes:
-            say(f"cache {folder} is stale (changed: {', '.join(changes)}): rebuilding")
-            # The index goes first: a kill during the rebuild must never leave an index vouching for old shards.
-            _remove(index_path)
-            _remove(building_path)
-            _wipe_shards(folder)
-        else:
-            altered = [entry["file"] for entry in index["shards"]
-                       if not os.path.exists(os.path.join(folder, entry["file"]))
-                       or os.path.getsize(os.path.join(folder, entry["file"])) != entry["bytes"]]
-            if not altered:
-                _remove(building_path)  # a kill between the index's commit and this file's removal
-                say(f"cache {folder}: reusing {num_samples} samples in {len(index['shards'])} shards "
-                    f"({cache_size_bytes(folder) / 1e6:.1f} MB)")
-                return
-            listed = ", ".join(altered[:5]) + (f" and {len(altered) - 5} more" if len(altered) > 5 else "")
-            say(f"cache {folder}: {len(altered)} shards are missing or altered ({listed}): rebuilding them")
-            _remove(index_path)
-            for name in altered:
-                if SHARD_PATTERN.fullmatch(name):  # never delete a file of another name an edited index points at
-                    _remove(os.path.join(folder, name))
+        if _reuse(folder, index, fingerprint, num_samples, say):
+            return
     elif os.path.exists(index_path):
         say(f"cache {folder}: {INDEX} is unreadable or of another format: rebuilding")
         _remove(index_path)
@@ -278,6 +257,41 @@ def _prepare(folder, fingerprint, num_samples, shard_size, say):
 
     atomic_write_text(building_path, json.dumps({"fingerprint": fingerprint, "num_samples": num_samples,
                                                  "shard_size": shard_size, "format": FORMAT}, indent=2) + "\n")
+    _keep_valid_shards(folder, fingerprint, num_samples, shard_size, say)
+
+
+def _reuse(folder, index, fingerprint, num_samples, say):
+    """A committed index: -> True if the cache it vouches for is complete and of these features; else it is
+    removed (with the shards it can no longer vouch for) for a rebuild."""
+    index_path, building_path = os.path.join(folder, INDEX), os.path.join(folder, BUILDING)
+    changes = describe_changes(index["fingerprint"], fingerprint)
+    changes += ["num_samples"] if index["num_samples"] != num_samples else []
+    if changes:
+        say(f"cache {folder} is stale (changed: {', '.join(changes)}): rebuilding")
+        # The index goes first: a kill during the rebuild must never leave an index vouching for old shards.
+        _remove(index_path)
+        _remove(building_path)
+        _wipe_shards(folder)
+        return False
+    altered = [entry["file"] for entry in index["shards"]
+               if not os.path.exists(os.path.join(folder, entry["file"]))
+               or os.path.getsize(os.path.join(folder, entry["file"])) != entry["bytes"]]
+    if not altered:
+        _remove(building_path)  # a kill between the index's commit and this file's removal
+        say(f"cache {folder}: reusing {num_samples} samples in {len(index['shards'])} shards "
+            f"({cache_size_bytes(folder) / 1e6:.1f} MB)")
+        return True
+    listed = ", ".join(altered[:5]) + (f" and {len(altered) - 5} more" if len(altered) > 5 else "")
+    say(f"cache {folder}: {len(altered)} shards are missing or altered ({listed}): rebuilding them")
+    _remove(index_path)
+    for name in altered:
+        if SHARD_PATTERN.fullmatch(name):  # never delete a file of another name an edited index points at
+            _remove(os.path.join(folder, name))
+    return False
+
+
+def _keep_valid_shards(folder, fingerprint, num_samples, shard_size, say):
+    """Keep the shards that hold this fingerprint's samples at their place; remove the rest."""
     num_shards = math.ceil(num_samples / shard_size)
     digest, kept = json_digest(fingerprint), 0
     for name in _shard_files(folder):

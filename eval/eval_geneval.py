@@ -227,7 +227,7 @@ def generate(model, components, record, specs, seeds, sampling, seed=0, batch_si
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default=None, help="a stage name in --out_dir, or a path; default: the "
                         "LoRA's base weights, else pretrain_tiny")
@@ -247,8 +247,11 @@ def main():
                         "weights (out/ for out/'s runs)")
     parser.add_argument("--failures", default=None, help="PNG of failed images; default samples/... beside the "
                         "weights")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.ground_truth:
         report = {"resolution": args.resolution}
 
