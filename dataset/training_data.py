@@ -55,7 +55,7 @@ class DataSettings:
         names = [name for name in cls.__dataclass_fields__ if name in given and name != "shuffle_tags"]
         return cls(**{name: given[name] for name in names}, captions=caption_options(given),
                    shuffle_tags=bool(given.get("shuffle_tags", 0)),
-                   encode_batch=given.get("encode_batch_size", 0) or given["batch_size"])
+                   encode_batch=given["encode_batch_size"])
 
 
 def training_dataset(settings, components, patch_size, log, data=None, num_samples=None):

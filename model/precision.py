@@ -65,7 +65,7 @@ def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
 def autocast_dtype(dtype, device):
     """--dtype as the autocast dtype on `device`, or None for plain fp32 (auto, fast: resolve_dtype; a run resolves
     it once at start, run_precision)."""
-    return torch.bfloat16 if resolve_dtype(dtype, device)[0] == "bf16" else None
+    return Precision(resolve_dtype(dtype, device)[0]).autocast
 
 # ----------------------------------------------------------------------------------------------------------------
 # The networks that do not train

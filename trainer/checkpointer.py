@@ -14,7 +14,6 @@ a sharded run (--fsdp 1), where every rank writes its shards of the resume check
 and the exported weights are gathered to rank 0.
 """
 import argparse
-import json
 import os
 import signal
 import time
@@ -26,7 +25,7 @@ from dataset.training_data import warn_truncated
 from model.checkpoint import manifest_path, remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
 from trainer.parallel import NamedOptimizerState, as_list, conform, gathered
-from trainer.resume import check_resume, find_resume
+from trainer.resume import check_resume, find_resume, saved_record
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import rng_state, set_rng_state, to_cpu
 
@@ -188,23 +187,10 @@ class Checkpointer:
             self.log(f"done: {self.export.output} (step {run.step})")
 
 
-def saved_record(from_resume, default_stem):
-    """The record of the resume checkpoint --from_resume names (its manifest alone, read before anything is
-    built: what the run computed in), or None; find_resume reads and checks the checkpoint itself later."""
-    if str(from_resume) in ("0", ""):
-        return None
-    path = manifest_path(default_stem if str(from_resume) == "1" else stem_of(from_resume))
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def export_record(args, stage, prediction, sampling, config, components, **extra):
-    """What the exported weights' manifest records: how to rebuild and sample them, and the run's arguments."""
-    return {"stage": stage, "preset": args.preset, "samples_seen": 0, "resolution": args.resolution,
+    """What the exported weights' manifest records: how to rebuild and sample them, and the run's arguments (the
+    export adds the samples seen, and a LoRA file the step, at each save)."""
+    return {"stage": stage, "preset": args.preset, "resolution": args.resolution,
             "prediction": prediction, "ema": args.ema_decay > 0, "save_dtype": args.save_dtype,
             "transformer": config.to_dict(), "components": components.spec, "sampling": sampling, **extra,
             "args": vars(args)}

@@ -10,14 +10,37 @@ from model.checkpoint import CheckpointError, checkpoint_file, load_torch, manif
 from model.errors import UserError
 
 
+def resume_stem(from_resume, default_stem):
+    """The stem of the resume checkpoint --from_resume names: None for "0", `default_stem` for "1" (continued if
+    it is there), else the stem of the path given."""
+    from_resume = str(from_resume)
+    if from_resume in ("0", ""):
+        return None
+    return default_stem if from_resume == "1" else stem_of(from_resume)
+
+
+def saved_record(from_resume, default_stem):
+    """The record of the resume checkpoint --from_resume names (its manifest alone, read before anything is
+    built: what the run computed in), or None; find_resume reads and checks the checkpoint itself later."""
+    stem = resume_stem(from_resume, default_stem)
+    if stem is None:
+        return None
+    try:
+        with open(manifest_path(stem), encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def find_resume(from_resume, default_stem, info):
     """-> (stem, state) of the resume checkpoint to continue, or (stem, None) to start fresh. `from_resume` is
     "0", "1" (the default checkpoint, if there is one) or a path. Every process reads the file itself, so the
     save folder must be one that every node sees; the processes share the hashing of its files. If any process
     fails, all stop with a one-line error."""
-    if from_resume in ("0", ""):
+    stem = resume_stem(from_resume, default_stem)
+    if stem is None:
         return default_stem, None
-    stem = default_stem if from_resume == "1" else stem_of(from_resume)
     error, state = None, None
     try:
         if from_resume != "1" or os.path.exists(manifest_path(stem)):

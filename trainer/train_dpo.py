@@ -142,7 +142,7 @@ def reference_of(args, info, nets, autocast):
 def dpo_export(args, name, model, components, record):
     """What a save exports: the policy's adapters naming their base (--lora_rank), or its whole weights."""
     if args.lora_rank:
-        return LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, {**record, "step": 0},
+        return LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
                           SAVE_DTYPES[args.save_dtype])
     return WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
                          args.export_pipeline, args.export_single_file)

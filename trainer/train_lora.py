@@ -137,8 +137,7 @@ def main(argv=None):
 
     # A save: the resume checkpoint, then the adapters (their EMA if on) in diffusers' LoRA format, naming the base
     base_identity, sampling = weights_identity(base, args.out_dir), grid_sampling(args)
-    record = export_record(args, "lora", start.prediction, sampling, model.config, components, step=0,
-                           base=base_identity)
+    record = export_record(args, "lora", start.prediction, sampling, model.config, components, base=base_identity)
     export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
                         SAVE_DTYPES[args.save_dtype])
     run = TrainingRun(args, info, start.dataset, metrics)
