@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.shapes import ShapesDataset  # noqa: E402
 from bench.demo_scores import IMAGES_PER_PROMPT, grid_row, measure_row, per_seed, task_table  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
-from eval.sampling import load_for_sampling, sampling_settings, save_grid  # noqa: E402
+from eval.sampling import load_for_sampling, sampler_for, save_grid  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
@@ -31,10 +32,12 @@ def samplers(teacher_record, student_record, student_steps):
     with their guidance and deterministic Euler, and as the student samples (re-noising, no guidance: the student
     before distillation); then the student's at each step count."""
     steps = student_record["sampling"]["steps"]
-    rows = [("teacher", "teacher", sampling_settings(teacher_record)),
-            (f"teacher {steps} steps", "teacher", sampling_settings(teacher_record, steps=steps)),
-            (f"undistilled {steps} steps", "teacher", {**sampling_settings(student_record), "steps": steps})]
-    rows += [(f"student {steps} step{'s' * (steps > 1)}", "student", sampling_settings(student_record, steps=steps))
+    rows = [("teacher", "teacher", sampler_for(teacher_record)),
+            (f"teacher {steps} steps", "teacher", sampler_for(teacher_record, steps=steps)),
+            (f"undistilled {steps} steps", "teacher", replace(sampler_for(student_record), steps=steps,
+                                                              prediction=teacher_record["prediction"],
+                                                              resolution=teacher_record["resolution"]))]
+    rows += [(f"student {steps} step{'s' * (steps > 1)}", "student", sampler_for(student_record, steps=steps))
              for steps in student_steps]
     return rows
 
@@ -61,12 +64,12 @@ def main():
               "student_step": loaded["student"][2]["step"], "prompts_per_task": args.prompts_per_task,
               "images_per_prompt": IMAGES_PER_PROMPT, "rows": []}
     grid_images, grid_captions = [], []
-    for label, which, sampling in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
-        model, components, record = loaded[which]
-        row = {"label": label, "sampling": sampling,
-               "evaluations": sampling["steps"] * (2 if sampling["cfg"] != 1.0 else 1)}
-        report["rows"].append(measure_row(row, model, components, record, specs, args.seeds, args.batch_size))
-        grid_images.append(grid_row(model, components, record, demo_prompts, sampling, device))
+    for label, which, sampler in samplers(loaded["teacher"][2], loaded["student"][2], args.student_steps):
+        model, components, _ = loaded[which]
+        row = {"label": label, "sampling": sampler.settings(),
+               "evaluations": sampler.steps * (2 if sampler.cfg != 1.0 else 1)}
+        report["rows"].append(measure_row(row, sampler, model, components, specs, args.seeds, args.batch_size))
+        grid_images.append(grid_row(model, components, demo_prompts, sampler, device))
         grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
 
     print(f"\n| sampler | evaluations / image | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train | "

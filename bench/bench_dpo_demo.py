@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.demo_scores import IMAGES_PER_PROMPT, grid_row, measure_row, per_seed, task_table  # noqa: E402
 from dataset.shapes import ShapesDataset  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
-from eval.sampling import load_for_sampling, sampling_settings, save_grid  # noqa: E402
+from eval.sampling import load_for_sampling, sampler_for, save_grid  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
@@ -69,10 +69,10 @@ def main():
     grid_images, grid_captions = [], []
     for label, weights in (("before", args.before), ("after", args.after)):
         model, components, record, _ = load_for_sampling(weights, args.out_dir, device)
-        sampling = sampling_settings(record)
-        row = {"label": label, "weights": record["manifest"], "step": record["step"], "sampling": sampling}
-        report["rows"].append(measure_row(row, model, components, record, specs, args.seeds, args.batch_size))
-        grid_images.append(grid_row(model, components, record, demo_prompts, sampling, device))
+        sampler = sampler_for(record)
+        row = {"label": label, "weights": record["manifest"], "step": record["step"], "sampling": sampler.settings()}
+        report["rows"].append(measure_row(row, sampler, model, components, specs, args.seeds, args.batch_size))
+        grid_images.append(grid_row(model, components, demo_prompts, sampler, device))
         grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
 
     print(f"\n| weights | held-out ({', '.join(f'seed {s}' for s in args.seeds)}) | train |\n|---|---|---|")

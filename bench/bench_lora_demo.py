@@ -21,7 +21,7 @@ from eval.eval_geneval import PROMPTS_PER_TASK, TASKS, all_prompts, generate, pr
 from eval.shape_scorer import COLOR_NAMES  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.model_lora import lora_parameters, set_lora_scale  # noqa: E402
-from eval.sampling import load_for_sampling, sample_images, sampling_settings, save_grid  # noqa: E402
+from eval.sampling import load_for_sampling, sample_images, sampler_for, save_grid  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT, resolve_lora  # noqa: E402
 
@@ -41,29 +41,27 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_lora(args.lora, args.out_dir)
     model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, path)
-    sampling = sampling_settings(record)
+    sampler = sampler_for(record)
     new_pairs = [(args.color, shape) for shape in SHAPES]
     new_specs = [dict(spec, split="new") for task in TASKS
                  for spec in prompt_set(task, "train", args.prompts_per_task, pairs=new_pairs)]
     usual_specs = all_prompts(args.prompts_per_task)
     report = {"lora": path, "bytes": os.path.getsize(path), "weights": record["manifest"],
               "trainable_parameters": sum(p.numel() for p in lora_parameters(model)),
-              "lora_step": lora_record.get("step"), "sampling": sampling, "seeds": args.seeds, "scores": {}}
+              "lora_step": lora_record.get("step"), "sampling": sampler.settings(), "seeds": args.seeds, "scores": {}}
     demo_prompts = ShapesDataset(colors=(args.color,)).sample_prompts()
     grid_images, grid_captions = [], []
     for label, scale in (("base", 0.0), ("lora", 1.0)):
         set_lora_scale(model, scale)
-        new_table, new_overall, _ = score(new_specs, generate(model, components, record, new_specs, args.seeds,
-                                                              sampling), colors=COLOR_NAMES + (args.color,))
-        table, overall, _ = score(usual_specs, generate(model, components, record, usual_specs, args.seeds, sampling))
+        new_table, new_overall, _ = score(new_specs, generate(model, components, new_specs, args.seeds, sampler),
+                                          colors=COLOR_NAMES + (args.color,))
+        table, overall, _ = score(usual_specs, generate(model, components, usual_specs, args.seeds, sampler))
         report["scores"][label] = {
             "new": {task: new_table[task]["new"] for task in TASKS}, "new_overall": new_overall["new"],
             "train_overall": overall["train"], "heldout_overall": overall["heldout"],
             "train": {task: table[task]["train"] for task in TASKS},
             "heldout": {task: table[task]["heldout"] for task in TASKS}}
-        grid_images.append(sample_images(model, components, demo_prompts, seed=0, **sampling,
-                                         resolution=record["resolution"], device=device,
-                                         prediction=record["prediction"]))
+        grid_images.append(sample_images(model, components, demo_prompts, 0, sampler, device))
         grid_captions += [f"{label}: {p or '(unconditional)'}" for p in demo_prompts]
 
     scores = report["scores"]

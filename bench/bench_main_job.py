@@ -31,7 +31,7 @@ from bench.demo_scores import measure  # noqa: E402
 from dataset.image_folder import build_dataset  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from eval.eval_loss import quantile_losses  # noqa: E402
-from eval.sampling import load_for_sampling, sampling_settings  # noqa: E402
+from eval.sampling import load_for_sampling, sampler_for  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT  # noqa: E402
@@ -118,7 +118,7 @@ def quality(weights, seeds, device, batch_size=256):
     specs = all_prompts(PROMPTS_PER_TASK)
     scores = {}
     for seed in seeds:
-        result = measure(model, components, record, specs, sampling_settings(record), seed, batch_size)
+        result = measure(model, components, specs, sampler_for(record), seed, batch_size)
         scores[seed] = {"heldout": result["heldout"], "train": result["train"], "tasks": result["tasks"]}
         print(f"  step {record['step']} seed {seed}: held-out {result['heldout']:.3f}, train {result['train']:.3f}",
               flush=True)

@@ -8,30 +8,29 @@ from eval.sampling import sample_images
 IMAGES_PER_PROMPT = 4  # as eval_geneval.py scores by default
 
 
-def measure(model, components, record, specs, sampling, seed, batch_size):
+def measure(model, components, specs, sampler, seed, batch_size):
     """-> {"heldout", "train" (overall scores), "tasks" ({task: {split: score}}), "s_per_image"} of one sampler
     and noise seed."""
     t0 = time.perf_counter()
-    images = generate(model, components, record, specs, IMAGES_PER_PROMPT, sampling, seed=seed, batch_size=batch_size)
+    images = generate(model, components, specs, IMAGES_PER_PROMPT, sampler, seed=seed, batch_size=batch_size)
     seconds = (time.perf_counter() - t0) / sum(len(per_spec) for per_spec in images)
     table, overall, _ = score(specs, images)
     return {"heldout": overall["heldout"], "train": overall["train"], "tasks": table, "s_per_image": seconds}
 
 
-def measure_row(row, model, components, record, specs, seeds, batch_size):
-    """Fill `row` ({"label", "sampling", ...}) with the sampler's scores for each noise seed, printing each -> row."""
+def measure_row(row, sampler, model, components, specs, seeds, batch_size):
+    """Fill `row` ({"label", ...}) with `sampler`'s scores for each noise seed, printing each -> row."""
     row["seeds"] = {}
     for seed in seeds:
-        result = row["seeds"][seed] = measure(model, components, record, specs, row["sampling"], seed, batch_size)
+        result = row["seeds"][seed] = measure(model, components, specs, sampler, seed, batch_size)
         print(f"{row['label']:<16} seed {seed}: held-out {result['heldout']:.3f}, train {result['train']:.3f}, "
               f"{result['s_per_image'] * 1000:.1f} ms/image", flush=True)
     return row
 
 
-def grid_row(model, components, record, prompts, sampling, device):
+def grid_row(model, components, prompts, sampler, device):
     """The demo grid's row of a sampler: the prompts with noise seed 0."""
-    return sample_images(model, components, prompts, seed=0, **sampling, resolution=record["resolution"],
-                         device=device, prediction=record["prediction"])
+    return sample_images(model, components, prompts, 0, sampler, device)
 
 
 def per_seed(row, split):

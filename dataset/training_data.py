@@ -1,8 +1,8 @@
-"""What a stage trains on, from its arguments: `--data` as a dataset (aspect-ratio buckets for user images), the
-sample grids' prompts, the check that every image size fits the model, the validation images, and the cache of
-encoded features (dataset/cache.py) that training reads instead of the images.
+"""What a stage trains on: `--data` as a dataset (aspect-ratio buckets for user images), the sample grids' prompts,
+the check that every image size fits the model, the validation images, and the cache of encoded features
+(dataset/cache.py) that training reads instead of the images (trainer/startup.py's stage_data puts them together).
 
-The glue takes DataSettings, what a stage's arguments say of its data, read once after parsing; `info` is the
+The glue takes DataSettings, what a stage's arguments say of its data, which the stage builds; `info` is the
 process's rank, world size and device (trainer/distributed.DistInfo).
 """
 import os
@@ -24,38 +24,30 @@ from model.file_io import json_digest
 from model.rectified_flow import mask_to_latents
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataSettings:
-    """What a stage's arguments say of its data (--data and the plumbing and data groups of trainer/arguments.py),
-    read once after parsing (DataSettings.of): the data, its size, buckets and captions, what an epoch does with
-    your images, the validation images, the cache, and the grids' prompts."""
-    data: str = "builtin"
-    resolution: int = 32
-    num_samples: int = 8000
-    seed: int = 0
-    buckets: str = "auto"
+    """What a stage's arguments say of its data (--data and the plumbing and data groups of trainer/arguments.py):
+    the data, its size, buckets and captions, what an epoch does with your images, the validation images, the
+    cache, and the grids' prompts. A stage that trains on no --data (DPO's pairs) leaves those fields out: what
+    they hold then reads nothing."""
+    resolution: int
+    seed: int
+    val_data: str
+    val_samples: int
+    val_interval: int
+    cache: str
+    cache_dir: str
+    cache_only: bool
+    encode_batch: int
+    data: str = None
+    num_samples: int = None
+    buckets: str = None
     captions: CaptionOptions = CaptionOptions()
     random_flip: float = 0.0
     shuffle_tags: bool = False
     keep_tags: int = 0
     val_fraction: float = 0.0
-    val_data: str = None
-    val_samples: int = 64
-    val_interval: int = 100
-    cache: str = "auto"
-    cache_dir: str = "cache"
-    cache_only: bool = False
-    encode_batch: int = 4
     sample_prompts: str = None
-
-    @classmethod
-    def of(cls, args):
-        """From a stage's parsed arguments (a stage without --data, such as DPO's pairs, has the default)."""
-        given = vars(args)
-        names = [name for name in cls.__dataclass_fields__ if name in given and name != "shuffle_tags"]
-        return cls(**{name: given[name] for name in names}, captions=caption_options(given),
-                   shuffle_tags=bool(given.get("shuffle_tags", 0)),
-                   encode_batch=given["encode_batch_size"])
 
 
 def training_dataset(settings, components, patch_size, log, data=None, num_samples=None):

@@ -34,7 +34,7 @@ from dataset.shapes import (  # noqa: E402
 from eval.shape_scorer import COLOR_NAMES, find_objects  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from eval.sampling import (  # noqa: E402
-    load_for_sampling, output_path, sample_images, sampling_settings, save_grid, to_uint8,
+    load_for_sampling, output_path, sample_images, sampler_for, save_grid, to_uint8,
 )
 from model.errors import run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR  # noqa: E402
@@ -212,15 +212,15 @@ def ground_truth_accuracy(prompts_per_task=24, seeds=4, resolution=32, seed=0):
     return score(specs, [[ground_truth_image(spec, resolution, rng) for _ in range(seeds)] for spec in specs])
 
 
-def generate(model, components, record, specs, seeds, sampling, seed=0, batch_size=256):
-    """Sample `seeds` images of each spec's caption (fixed noise) -> [uint8 [seeds, H, W, 3] per spec]."""
+def generate(model, components, specs, seeds, sampler, seed=0, batch_size=256):
+    """Sample `seeds` images of each spec's caption (fixed noise, from `seed` on) as `sampler` says, `batch_size`
+    at a time -> [uint8 [seeds, H, W, 3] per spec]."""
     captions = [spec["caption"] for spec in specs for _ in range(seeds)]
     images = []
     for start in tqdm(range(0, len(captions), batch_size), desc="sampling", leave=False):
         batch = captions[start:start + batch_size]
-        images += list(to_uint8(sample_images(model, components, batch, seed=seed + start, **sampling,
-                                              resolution=record["resolution"], device=next(model.parameters()).device,
-                                              prediction=record["prediction"])))
+        images += list(to_uint8(sample_images(model, components, batch, seed + start, sampler,
+                                              next(model.parameters()).device)))
     return [images[k:k + seeds] for k in range(0, len(images), seeds)]
 
 
@@ -267,10 +267,10 @@ def main(argv=None):
         def default_path(pattern):  # beside the weights: runs of the same name elsewhere keep their own reports
             return output_path(record, lora_record, args.out_dir, pattern)
 
-        sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
-        table, overall, failures = score(specs, generate(model, components, record, specs, args.seeds, sampling,
-                                                         args.seed, args.batch_size))
-        report = {"weights": record["manifest"], "step": record["step"], "sampling": sampling,
+        sampler = sampler_for(record, args.steps, args.cfg, args.shift)
+        table, overall, failures = score(specs, generate(model, components, specs, args.seeds, sampler, args.seed,
+                                                         args.batch_size))
+        report = {"weights": record["manifest"], "step": record["step"], "sampling": sampler.settings(),
                   "lora": args.lora, "lora_scale": args.lora_scale}
 
     print(f"{'task':<14} {'train':>6} {'held-out':>9}   ({args.prompts_per_task} prompts x {args.seeds} seeds each)")

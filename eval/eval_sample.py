@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import read_prompt_file  # noqa: E402
-from eval.sampling import load_for_sampling, output_path, sample_images, sampling_settings, save_grid  # noqa: E402
+from eval.sampling import load_for_sampling, output_path, sample_images, sampler_for, save_grid  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
@@ -51,16 +51,14 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, args.lora,
                                                                args.lora_scale, args.merge, args.base)
-    sampling = sampling_settings(record, args.steps, args.cfg, args.shift)
+    sampler = sampler_for(record, args.steps, args.cfg, args.shift, args.resolution)
     all_prompts = [p for p in prompts for _ in range(args.seeds)]
-    images = sample_images(model, components, all_prompts, seed=args.seed, **sampling,
-                           resolution=args.resolution or record["resolution"], device=device,
-                           prediction=record["prediction"])
+    images = sample_images(model, components, all_prompts, args.seed, sampler, device)
     merged = "_merged" if args.merge and lora_record is not None else ""
     out = args.out or output_path(record, lora_record, args.out_dir, f"samples/{{name}}{merged}_eval.png")
     save_grid(out, images, all_prompts, columns=max(args.seeds, min(len(all_prompts), 8)))
     lora = f" + LoRA {args.lora} x{args.lora_scale:g}{' merged' if args.merge else ''}" if args.lora else ""
-    print(f"{len(all_prompts)} images ({sampling['steps']} steps, cfg {sampling['cfg']}, shift {sampling['shift']}) "
+    print(f"{len(all_prompts)} images ({sampler.steps} steps, cfg {sampler.cfg}, shift {sampler.shift}) "
           f"from step {record['step']}{lora}: {out}")
 
 

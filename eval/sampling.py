@@ -11,22 +11,20 @@ import torch
 from model.errors import UserError
 from model.file_io import atomic_path
 from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale
-from model.rectified_flow import euler_sample
+from model.rectified_flow import Sampler, euler_sample
 from model.weights import load_weights, resolve_lora, sampling_name, weights_identity
 
 
-def sample_images(model, components, prompts, seed, steps, cfg, shift, resolution, device, prediction, renoise=False,
-                  autocast=None):
+def sample_images(model, components, prompts, seed, sampler, device):
     """Generate one image per prompt with fixed noise (prompt i's noise seeded with seed + i, or with seed[i] for
-    a list of seeds) -> images in [-1, 1] on CPU. `prediction` is what the model outputs, "x" or "v" (its weights
-    record says which). `renoise`: sample as a few-step distilled generator does, each step's x0 noised afresh
-    (each prompt's fresh noise continues its own seeded stream, as diffusers' pipeline draws it from its
-    generator). `autocast`: the dtype the transformer computes in (a run's bf16, for weights held in bf16), None
-    for plain fp32. The latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
-    was_training, device = model.training, torch.device(device)
+    a list of seeds), as `sampler` (model/rectified_flow.Sampler) says -> images in [-1, 1] on CPU. A re-noising
+    sampler draws each prompt's fresh noise from its own seeded stream, as diffusers' pipeline draws it from its
+    generator. The latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
+    was_training, device, autocast = model.training, torch.device(device), sampler.autocast
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
-    shape = (components.latent_channels, resolution // components.downscale, resolution // components.downscale)
+    side = sampler.resolution // components.downscale
+    shape = (components.latent_channels, side, side)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     streams = [torch.Generator().manual_seed(s) for s in seeds]
 
@@ -34,18 +32,18 @@ def sample_images(model, components, prompts, seed, steps, cfg, shift, resolutio
         return torch.stack([torch.randn(shape, generator=stream) for stream in streams]).to(device)
 
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-        latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), steps=steps, cfg=cfg,
-                               shift=shift, prediction=prediction, fresh_noise=fresh_noise if renoise else None)
+        latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), sampler,
+                               fresh_noise=fresh_noise if sampler.renoise else None)
     model.train(was_training)
     return torch.cat([components.decode_latents(latent[None]).float().cpu() for latent in latents.float()])
 
 
-def sampling_settings(record, steps=None, cfg=None, shift=None):
-    """Sampler settings: the ones given, else what the run sampled its grids with (its weights record); a
-    distilled generator's records that it re-noises."""
+def sampler_for(record, steps=None, cfg=None, shift=None, resolution=None):
+    """How to sample a weights record's model: the settings given, else what its run sampled its grids with (a
+    distilled generator's record says it re-noises), at its resolution, as it predicts."""
     saved = record["sampling"]
-    return {"steps": steps or saved["steps"], "cfg": saved["cfg"] if cfg is None else cfg,
-            "shift": saved["shift"] if shift is None else shift, "renoise": saved.get("renoise", False)}
+    return Sampler(resolution or record["resolution"], steps or saved["steps"], saved["cfg"] if cfg is None else cfg,
+                   saved["shift"] if shift is None else shift, record["prediction"], saved.get("renoise", False))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ and where it exceeds the device (a GPU's memory, or the RAM of a CPU run) a warn
 Checked against measured peaks by bench/bench_memory.py (BENCHMARKS.md).
 """
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -42,16 +43,31 @@ def activation_bytes(config, batch, resolution, downscale, text_tokens, checkpoi
     return config.num_layers * per_block
 
 
-def estimate(config, roles, trainable, optimizer, ema, ema_on_device, frozen_dtype, shards, activations,
-             components_bytes, device_type):
-    """-> {part: bytes} of one process's peak. `roles`: {name: trained | frozen | adapted}; `trainable`: the
-    trained parameters of one network (all of it, or its adapters)."""
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a run holds and computes, for the estimate: its transformers (`networks`, each "trained", "frozen",
+    or the number of trainable adapter parameters on a frozen one), the optimizer, whether it keeps an EMA and
+    where (`ema_device`: --ema_device, "cpu" keeps it off a GPU), and one micro-batch: its size, resolution and
+    whether it recomputes each block in backward (`checkpointing`)."""
+    networks: tuple
+    optimizer: str
+    ema: bool
+    ema_device: str
+    batch_size: int
+    resolution: int
+    checkpointing: bool
+
+
+def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
+    """-> {part: bytes} of one process's peak, for `plan` (MemoryPlan) with transformers of `config`, its frozen
+    networks held in `frozen_dtype`, its state sharded over `shards` processes."""
     params = count_parameters(config)
-    trained = [params if role == "trained" else trainable if role == "adapted" else 0 for role in roles.values()]
-    frozen = sum(params for role in roles.values() if role != "trained") * frozen_bytes(frozen_dtype)
+    trained = [params if net == "trained" else 0 if net == "frozen" else net for net in plan.networks]
+    frozen = sum(params for net in plan.networks if net != "trained") * frozen_bytes(frozen_dtype)
+    ema_on_device = plan.ema and (device_type == "cpu" or plan.ema_device != "cpu")
     parts = {"weights": 4 * sum(trained) + frozen, "gradients": 4 * sum(trained),
-             "optimizer": sum(optimizer_bytes(config, optimizer, n) for n in trained),
-             "EMA": 4 * sum(trained) if ema and ema_on_device else 0}
+             "optimizer": sum(optimizer_bytes(config, plan.optimizer, n) for n in trained),
+             "EMA": 4 * sum(trained) if ema_on_device else 0}
     if shards > 1:
         parts = {k: v / shards for k, v in parts.items()}
         parts["gathered block"] = 2 * params / config.num_layers
@@ -59,6 +75,22 @@ def estimate(config, roles, trainable, optimizer, ema, ema_on_device, frozen_dty
     save = parts["weights"] - frozen / shards + parts["optimizer"] + parts["EMA"] if device_type == "cpu" else 0
     parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type], save=save)
     return parts
+
+
+def estimate_lines(config, plan, components, precision, info):
+    """The estimate of one process's peak for `plan` (MemoryPlan) held and computed as `precision`
+    (model/precision.Precision) says, on info's processes and device (sharded over the mesh's last dimension),
+    with `components` as loaded now: in one line, and a warning line where it exceeds the device's memory (the
+    run starts either way)."""
+    device = info.device
+    text = 77 + components.t5_max_length if components.spec["kind"] == "sd3" else components.spec["text_max_length"]
+    activations = activation_bytes(config, plan.batch_size, plan.resolution, components.downscale, text,
+                                   plan.checkpointing, 2 if precision.compute == "bf16" else 4)
+    shards = info.mesh.shape[-1] if info.sharded else 1
+    parts = estimate(config, plan, precision.frozen, shards, activations, module_bytes(components), device.type)
+    line, warning = describe(parts, device_memory(device), "this GPU" if device.type == "cuda" else
+                             "this machine's RAM")
+    return [line] + ([warning] if warning else [])
 
 
 def optimizer_bytes(config, optimizer, trained):

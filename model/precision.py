@@ -124,9 +124,11 @@ def import_torchao(what):
 @dataclass(frozen=True)
 class Precision:
     """What a run computes in (`compute`: "bf16" under autocast, or "fp32") and holds its frozen networks in
-    (`frozen`: "bf16", "fp32" or "int8"), decided once at start-up (run_precision)."""
+    (`frozen`: "bf16", "fp32" or "int8"), decided once at start-up (run_precision), with the lines that say so
+    (`notes`, for the run's log)."""
     compute: str = "fp32"
     frozen: str = "fp32"
+    notes: tuple = ()
 
     @property
     def autocast(self):
@@ -138,29 +140,40 @@ class Precision:
         return {"dtype": self.compute, "frozen_dtype": self.frozen}
 
 
-def run_precision(dtype, frozen_dtype, device, stage, log, several_processes=False, cpu_bf16=True,
-                  frozen_transformer=False, sd3_components=False, resumed=None):
-    """--dtype and --frozen_dtype as a run holds them -> Precision, said in a line. `cpu_bf16`: whether --dtype
-    fast may take bf16 on a CPU (a stage whose loss compares two predictions closer than bf16 resolves says no);
-    `frozen_transformer`: whether the stage holds a transformer that does not train (a LoRA base, a teacher, a
-    reference), which --frozen_dtype applies to and which, held in bf16 or int8, computes under bf16 autocast;
-    `resumed`: what the run it resumes computed in, which --dtype fast keeps (its trajectory goes on as it
-    began, whatever today's check says)."""
-    compute, why = resolve_dtype(dtype, device, several_processes, cpu_bf16)
-    frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, device, sd3_components)
-    if frozen == "int8" and not frozen_transformer:
-        raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage} stage trains every "
-                        "weight of its own: use it with trainer/train_lora.py, or drop it")
-    if frozen_transformer and frozen != "fp32" and compute == "fp32":
+@dataclass(frozen=True)
+class StagePrecision:
+    """What a stage allows: whether --dtype fast may take bf16 on a CPU (`cpu_bf16`: not where the loss compares two
+    predictions closer than bf16 resolves), and whether it holds a transformer that does not train
+    (`frozen_transformer`: a LoRA base, a teacher, a reference), which --frozen_dtype applies to and which, held in
+    bf16 or int8, computes under bf16 autocast."""
+    stage: str
+    cpu_bf16: bool = True
+    frozen_transformer: bool = False
+
+
+def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resumed=None):
+    """--dtype and --frozen_dtype as a run of `stage` (StagePrecision) on info's processes holds them ->
+    Precision, with its lines. `resumed`: what the run it resumes computed in, which --dtype fast keeps (its
+    trajectory goes on as it began, whatever today's check says)."""
+    compute, why = resolve_dtype(dtype, info.device, info.world_size > 1, stage.cpu_bf16)
+    frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
+    if frozen == "int8" and not stage.frozen_transformer:
+        raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage.stage} stage trains "
+                        "every weight of its own: use it with trainer/train_lora.py, or drop it")
+    if frozen == "int8" and info.sharded:
+        raise UserError("--frozen_dtype int8 with --fsdp 1 is not supported: shard a bf16 base (--frozen_dtype bf16), "
+                        "or train the int8 base without --fsdp (DDP)")
+    if stage.frozen_transformer and frozen != "fp32" and compute == "fp32":
         if dtype == "fp32":
             raise UserError(f"--dtype fp32 with --frozen_dtype {frozen}: a transformer held in {frozen} computes in "
                             "bf16; drop --dtype fp32, or pass --frozen_dtype fp32")
         compute, why = "bf16", f"the frozen transformer is held in {frozen}"
+    notes = []
     if dtype in ("auto", "fast") or why.startswith("the frozen"):
-        log(f"computing in {compute} ({why})")
-    if frozen_transformer or sd3_components:
-        log(f"frozen networks held in {frozen}")
+        notes.append(f"computing in {compute} ({why})")
+    if stage.frozen_transformer or sd3_components:
+        notes.append(f"frozen networks held in {frozen}")
     if dtype == "fast" and resumed in ("bf16", "fp32") and resumed != compute:
         compute = resumed
-        log(f"computing in {resumed}, as the run it resumes did")
-    return Precision(compute, frozen)
+        notes.append(f"computing in {resumed}, as the run it resumes did")
+    return Precision(compute, frozen, tuple(notes))

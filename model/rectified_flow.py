@@ -6,6 +6,7 @@ The loss and the sampler work on velocities. The transformer outputs either v it
 and what published SD3 weights do) or the clean latent x0 (prediction "x"), turned into v by `to_velocity`.
 """
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -102,15 +103,33 @@ def with_unconditional(tokens, pooled):
     return torch.cat([tokens, torch.zeros_like(tokens)]), torch.cat([pooled, torch.zeros_like(pooled)])
 
 
+@dataclass(frozen=True)
+class Sampler:
+    """How images are drawn: their size (`resolution`), the Euler steps, the classifier-free guidance scale, the
+    sigmas' shift, what the model outputs (`prediction`, see to_velocity), whether each step re-noises its clean
+    estimate (`renoise`: a distilled few-step generator), and the dtype the transformer computes in (`autocast`,
+    None: fp32)."""
+    resolution: int
+    steps: int = 20
+    cfg: float = 4.0
+    shift: float = 3.0
+    prediction: str = "v"
+    renoise: bool = False
+    autocast: torch.dtype = None
+
+    def settings(self):
+        """Its steps, guidance, shift and re-noising, as a weights record or a report keeps them."""
+        return {"steps": self.steps, "cfg": self.cfg, "shift": self.shift, "renoise": self.renoise}
+
+
 @torch.no_grad()
-def euler_sample(model, noise, tokens, pooled, steps=20, cfg=4.0, shift=3.0, prediction="v", fresh_noise=None):
-    """Integrate from noise (s=1) to data (s=0); classifier-free guidance against the zero (unconditional) text.
-    `prediction` says what the model outputs (see to_velocity). With `fresh_noise` (a function -> noise shaped
-    like the latents), each step instead predicts the clean latent x0 = x - s * v and noises it afresh to the next
-    sigma: how a few-step distilled generator samples (diffusers' FlowMatchEulerDiscreteScheduler with
-    stochastic_sampling)."""
-    x = noise
-    sigmas = sampling_sigmas(steps, shift, device=noise.device)
+def euler_sample(model, noise, tokens, pooled, sampler, fresh_noise=None):
+    """Integrate from noise (s=1) to data (s=0) in `sampler`'s steps, with its classifier-free guidance against the
+    zero (unconditional) text. With `fresh_noise` (a function -> noise shaped like the latents), each step instead
+    predicts the clean latent x0 = x - s * v and noises it afresh to the next sigma: how a few-step distilled
+    generator samples (diffusers' FlowMatchEulerDiscreteScheduler with stochastic_sampling)."""
+    x, cfg, prediction = noise, sampler.cfg, sampler.prediction
+    sigmas = sampling_sigmas(sampler.steps, sampler.shift, device=noise.device)
     use_cfg = cfg != 1.0
     if use_cfg:
         tokens, pooled = with_unconditional(tokens, pooled)

@@ -85,32 +85,22 @@ def save_weights(stem, step, model, state, components_state, record, dtype):
     return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts, float_dtype=dtype)
 
 
-def check_pipeline_export(components, prediction):
-    """--export_pipeline writes a diffusers pipeline folder: one line now if it cannot, not at the first save."""
-    if components.spec["kind"] != "sd3" or prediction != "v":
+def check_export(components, prediction, pipeline, single_file):
+    """What --export_pipeline and --export_single_file need: one line now if they cannot be written, not at the
+    first save. A diffusers pipeline folder has neither the built-in components nor a clean-image (x) prediction;
+    the tools that read the single file read the output as a velocity."""
+    if pipeline and (components.spec["kind"] != "sd3" or prediction != "v"):
         raise UserError("--export_pipeline needs SD3 components (--base) and v-prediction: diffusers' pipeline has "
                         "neither the built-in components nor a clean-image (x) prediction")
-
-
-def export_weights(stem, step, model, state, components, record, dtype, pipeline=False, single_file=False):
-    """Our weights (save_weights), then, for v-prediction (diffusers reads the output as a velocity), the same file
-    as a diffusers transformer folder <stem>/transformer/, with `pipeline` a whole pipeline folder around it (SD3
-    components only), and with `single_file` the original SD3 layout in bf16 (single_file_path). -> bytes
-    written."""
-    written = save_weights(stem, step, model, state, components.trained_state_dict(), record, dtype)
-    if record["prediction"] == "v":
-        written += export_diffusers(stem, model.config, step_file(stem, step, ".safetensors"),
-                                    components.spec["path"] if pipeline else None,
-                                    scheduler_settings(record["sampling"]))
-    if single_file:
-        written += save_single_file(single_file_path(stem), state, {**record, "kind": "weights", "step": step})
-    return written
+    if single_file and prediction != "v":
+        raise UserError("--export_single_file needs v-prediction weights: ComfyUI, Forge and diffusers read the "
+                        "output as a velocity, and these weights predict the clean image (x)")
 
 
 class WeightsExport:
     """What a stage's save exports: `model`'s weights (given at each save: the EMA's, or the raw ones) under `stem`
     with `record` (how to rebuild and sample them), in `dtype`, and for v-prediction a diffusers folder, with
-    `pipeline` a whole pipeline, with `single_file` the original SD3 layout (export_weights)."""
+    `pipeline` a whole pipeline, with `single_file` the original SD3 layout."""
 
     def __init__(self, stem, model, components, record, dtype, pipeline=False, single_file=False):
         self.stem, self.model, self.components, self.record = stem, model, components, record
@@ -118,22 +108,25 @@ class WeightsExport:
         self.output = manifest_path(stem)
 
     def write(self, step, state, samples_seen):
-        """-> bytes written."""
-        record = {**self.record, "samples_seen": samples_seen}
-        return export_weights(self.stem, step, self.model, state, self.components, record, self.dtype,
-                              self.pipeline, self.single_file)
+        """Our weights (save_weights), then, for v-prediction (diffusers reads the output as a velocity), the same
+        file as a diffusers transformer folder <stem>/transformer/, with `pipeline` a whole pipeline folder around
+        it (SD3 components only), and with `single_file` the original SD3 layout in bf16 (single_file_path).
+        -> bytes written."""
+        stem, record = self.stem, {**self.record, "samples_seen": samples_seen}
+        written = save_weights(stem, step, self.model, state, self.components.trained_state_dict(), record,
+                               self.dtype)
+        if record["prediction"] == "v":
+            written += export_diffusers(stem, self.model.config, step_file(stem, step, ".safetensors"),
+                                        self.components.spec["path"] if self.pipeline else None,
+                                        scheduler_settings(record["sampling"]))
+        if self.single_file:
+            written += save_single_file(single_file_path(stem), state, {**record, "kind": "weights", "step": step})
+        return written
 
 
 def single_file_path(stem):
     """Where --export_single_file writes: out/<run>_single_file.safetensors."""
     return f"{stem}_single_file.safetensors"
-
-
-def check_single_file_export(prediction):
-    """--export_single_file is for tools that read the output as a velocity: one line now, not at the first save."""
-    if prediction != "v":
-        raise UserError("--export_single_file needs v-prediction weights: ComfyUI, Forge and diffusers read the "
-                        "output as a velocity, and these weights predict the clean image (x)")
 
 
 def save_single_file(path, state, record):

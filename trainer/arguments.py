@@ -8,10 +8,11 @@ resume treats it (the group is where the argument is declared, and what --help s
     free      what changes nothing that is trained (sampling, intervals): free to change on resume
 
 This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value
-is one line naming the argument, the argument groups several stages share, declared once here, each stage
-setting its own defaults in its script (parser.set_defaults: the recipe is read there), and the plumbing that
-every stage shares and nobody tunes (--base, --data, paths, resume, cache, intervals, workers, dtype, sharding,
-wandb).
+is one line naming the argument, and the argument groups several stages share. A shared group declares the
+training recipe (batch, learning rate, schedule, loss, intervals) without values: each stage writes them once,
+in its parse_args' set_defaults, and the parser refuses a stage that leaves one unset or sets one twice. The
+plumbing every stage shares and nobody tunes (--base, --data, paths, resume, cache, workers, dtype, sharding,
+wandb) keeps its one value here.
 """
 import argparse
 import math
@@ -33,14 +34,17 @@ RESUME_KINDS = {"identity": "what the run is (a resume must match)",
 
 
 class ResumeGroup:
-    """An argument group of one resume kind: add_argument as argparse's, recording each argument's kind."""
+    """An argument group of one resume kind: add_argument as argparse's, recording each argument's kind, and which
+    arguments are declared without a value for the stage to give (`stage_sets`)."""
 
     def __init__(self, parser, kind):
-        self.group, self.kind, self.kinds = parser.add_argument_group(RESUME_KINDS[kind]), kind, parser.resume_kinds
+        self.group, self.kind, self.parser = parser.add_argument_group(RESUME_KINDS[kind]), kind, parser
 
-    def add_argument(self, *names, **kwargs):
+    def add_argument(self, *names, stage_sets=False, **kwargs):
         action = self.group.add_argument(*names, **kwargs)
-        self.kinds[action.dest] = self.kind
+        self.parser.resume_kinds[action.dest] = self.kind
+        if stage_sets:
+            self.parser.stage_sets.add(action.dest)
         return action
 
 
@@ -51,12 +55,24 @@ class StageParser(argparse.ArgumentParser):
     def __init__(self, doc):
         super().__init__(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.resume_kinds = {}  # argument name -> identity | recipe | length | free
+        self.stage_sets = set()  # the shared arguments whose value the stage writes (set_defaults)
         self.identity, self.recipe = ResumeGroup(self, "identity"), ResumeGroup(self, "recipe")
         self.length, self.free = ResumeGroup(self, "length"), ResumeGroup(self, "free")
+
+    def set_defaults(self, **values):
+        """The stage's recipe: values for the shared arguments declared without one, each written once (an
+        argument that has its value where it is declared is not set again here)."""
+        twice = sorted(name for name in values if name not in self.stage_sets)
+        if twice:
+            raise ValueError(f"{', '.join(twice)} already have their value where they are declared")
+        super().set_defaults(**values)
 
     def parse_known_args(self, args=None, namespace=None):
         """The namespace carries the arguments' resume kinds as a class attribute (args.resume_kinds), so they go
         wherever the arguments go without being one of them (vars(args) leaves them out)."""
+        unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
+        if unset:
+            raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
         if namespace is None:
             namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
         return super().parse_known_args(args, namespace)
@@ -100,28 +116,28 @@ def bucket_count(text):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Argument groups several stages share: each stage sets its defaults (parser.set_defaults) in its script
+# Argument groups several stages share: the training recipe's values are the stage's (its set_defaults)
 
 
 def add_optimizer_args(parser):
     """The batch, AdamW's rate, decay and clipping, the EMA and the seed."""
     a = parser.recipe.add_argument
-    a("--batch_size", type=positive_int, default=16, help="samples (DPO: pairs) per process")
-    a("--accumulation_steps", type=positive_int, default=1)
-    a("--learning_rate", type=positive_float, default=1e-4)
-    a("--weight_decay", type=non_negative_float, default=0.0)
-    a("--grad_clip", type=positive_float, default=1.0, help="max gradient norm (per network)")
-    a("--ema_decay", type=decay, default=0.0, help="EMA of what trains, exported and sampled; 0 = none")
-    a("--seed", type=non_negative_int, default=0)
+    a("--batch_size", type=positive_int, stage_sets=True, help="samples (DPO: pairs) per process")
+    a("--accumulation_steps", type=positive_int, stage_sets=True, help="micro-batches a step")
+    a("--learning_rate", type=positive_float, stage_sets=True)
+    a("--weight_decay", type=non_negative_float, stage_sets=True)
+    a("--grad_clip", type=positive_float, stage_sets=True, help="max gradient norm (per network)")
+    a("--ema_decay", type=decay, stage_sets=True, help="EMA of what trains, exported and sampled; 0 = none")
+    a("--seed", type=non_negative_int, stage_sets=True)
 
 
 def add_schedule_args(parser):
     """Warmup, the cosine decay, and how long: --epochs, or --max_steps."""
-    parser.recipe.add_argument("--warmup_steps", type=non_negative_int, default=0)
-    parser.recipe.add_argument("--min_lr_ratio", type=probability, default=0.1, help="after warmup the rate decays "
-                               "along a cosine to this fraction of it (1 = constant)")
-    parser.length.add_argument("--epochs", type=positive_int, default=1)
-    parser.length.add_argument("--max_steps", type=non_negative_int, default=0, help="optimizer steps; 0 = run "
+    parser.recipe.add_argument("--warmup_steps", type=non_negative_int, stage_sets=True)
+    parser.recipe.add_argument("--min_lr_ratio", type=probability, stage_sets=True, help="after warmup the rate "
+                               "decays along a cosine to this fraction of it (1 = constant)")
+    parser.length.add_argument("--epochs", type=positive_int, stage_sets=True)
+    parser.length.add_argument("--max_steps", type=non_negative_int, stage_sets=True, help="optimizer steps; 0 = run "
                                "--epochs")
 
 
@@ -129,14 +145,14 @@ def add_flow_args(parser, loss=True):
     """The flow loss's recipe (trainer/flow_matching.FlowRecipe): how sigmas are drawn and, with `loss`, the loss,
     its weighting and the caption dropout."""
     a = parser.recipe.add_argument
-    a("--sigma_scheme", default="logit_normal", choices=["logit_normal", "uniform", "mode"])
-    a("--logit_mean", type=finite_float, default=0.0)
-    a("--logit_std", type=positive_float, default=1.0)
-    a("--train_shift", type=positive_float, default=1.0, help="shift applied to training sigmas")
+    a("--sigma_scheme", choices=["logit_normal", "uniform", "mode"], stage_sets=True)
+    a("--logit_mean", type=finite_float, stage_sets=True)
+    a("--logit_std", type=positive_float, stage_sets=True)
+    a("--train_shift", type=positive_float, stage_sets=True, help="shift applied to training sigmas")
     if loss:
-        a("--loss", default="mse", choices=["mse", "huber"])
-        a("--weighting", default="none", choices=["none", "sigma_sqrt", "cosmap"])
-        a("--caption_dropout", type=probability, default=0.0, help="probability of training a sample "
+        a("--loss", choices=["mse", "huber"], stage_sets=True)
+        a("--weighting", choices=["none", "sigma_sqrt", "cosmap"], stage_sets=True)
+        a("--caption_dropout", type=probability, stage_sets=True, help="probability of training a sample "
           "unconditionally")
 
 
@@ -149,7 +165,7 @@ def add_sampling_args(parser):
 
 
 def add_export_args(parser):
-    """What a save writes besides our weights (model/weights.py export_weights)."""
+    """What a save writes besides our weights (model/weights.py WeightsExport)."""
     a = parser.free.add_argument
     a("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers pipeline folder "
       "(needs --base and v-prediction); out/<run>/transformer/ is always written for v-prediction")
@@ -190,9 +206,9 @@ def add_plumbing_args(parser, data="builtin"):
       "or the path of a resume checkpoint (its .json)")
     a("--force_resume", type=switch, default=0, help="1 = resume even though recipe settings (learning rate, batch "
       "size...) changed; what the run is (preset, resolution, data, prediction) can never change")
-    a("--save_interval", type=positive_int, default=200, help="steps between saves of weights and resume checkpoint")
-    a("--save_dtype", default="bf16", choices=list(SAVE_DTYPES), help="dtype of the exported weights")
-    a("--sample_interval", type=non_negative_int, default=400, help="steps between sample grids; 0 = only at the end")
+    a("--save_interval", type=positive_int, stage_sets=True, help="steps between saves of weights and resume checkpoint")
+    a("--save_dtype", choices=list(SAVE_DTYPES), stage_sets=True, help="dtype of the exported weights")
+    a("--sample_interval", type=non_negative_int, stage_sets=True, help="steps between sample grids; 0 = only at the end")
     a("--sample_prompts", default=None, help="file of prompts for the sample grids, one a line; default: fixed "
       "prompts for the built-in data, else 8 captions of the dataset")
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
@@ -221,7 +237,7 @@ def add_data_args(parser):
     """What a stage does with your images (--data a folder or .jsonl; dataset/samples.py), as kohya's sd-scripts
     and OneTrainer do it, and the images held out for validation."""
     a = parser.recipe.add_argument
-    a("--num_samples", type=positive_int, default=8000, help="size of the built-in dataset")
+    a("--num_samples", type=positive_int, stage_sets=True, help="size of the built-in dataset")
     a("--caption_prefix", default="", help="put before every caption, e.g. a trigger word: 'sks photo, '")
     a("--caption_suffix", default="", help="put after every caption")
     a("--caption_lines", default="each", choices=["each", "join"], help="a .txt of several lines: each line a "

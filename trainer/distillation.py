@@ -27,22 +27,22 @@ from model.rectified_flow import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistillRecipe:
     """How the distillation losses train: the teacher's prediction, the autocast dtype (None: fp32), the generator's
     steps and shift, the shift and range of the sigmas the scores compare at, the teacher's guidance and where it
-    applies, and the GAN terms' weights (0: off)."""
+    applies, and the GAN terms' weights (0: off). The stage builds it from its arguments."""
     prediction: str
     autocast: torch.dtype = None
-    gen_steps: int = 4
-    gen_shift: float = 3.0
-    score_shift: float = 3.0
-    real_guidance: float = 1.0
-    guidance_interval: tuple = (0.0, 0.5)
-    min_sigma: float = 0.02
-    max_sigma: float = 0.98
-    gan_weight: float = 0.0
-    gan_d_weight: float = 1e-2
+    gen_steps: int
+    gen_shift: float
+    score_shift: float
+    real_guidance: float
+    guidance_interval: tuple
+    min_sigma: float
+    max_sigma: float
+    gan_weight: float
+    gan_d_weight: float
 
 
 @dataclass
@@ -112,10 +112,13 @@ def predict_x0(model, x_t, tokens, pooled, s, prediction, dtype):
     return x_t.float() - s.float().view(-1, 1, 1, 1) * v.float()
 
 
-def guided_x0(teacher, x_t, tokens, pooled, s, prediction, dtype, guidance, interval=(0.0, 1.0)):
-    """The teacher's x0 with classifier-free guidance against the zero (unconditional) text for the samples whose
-    sigma lies in `interval` (lowest, highest], its plain conditional x0 elsewhere (guidance in a limited interval,
-    Kynkaanniemi et al. 2024); guidance acts on x0 as on v, since x0 is affine in v."""
+def guided_x0(teacher, x_t, tokens, pooled, s, recipe):
+    """The teacher's x0 with classifier-free guidance (recipe.real_guidance) against the zero (unconditional) text
+    for the samples whose sigma lies in recipe.guidance_interval (lowest, highest], its plain conditional x0
+    elsewhere (guidance in a limited interval, Kynkaanniemi et al. 2024); guidance acts on x0 as on v, since x0 is
+    affine in v."""
+    prediction, dtype, guidance, interval = recipe.prediction, recipe.autocast, recipe.real_guidance, \
+        recipe.guidance_interval
     inside = (s > interval[0]) & (s <= interval[1])
     if guidance == 1.0 or not bool(inside.any()):
         return predict_x0(teacher, x_t, tokens, pooled, s, prediction, dtype)
@@ -126,10 +129,12 @@ def guided_x0(teacher, x_t, tokens, pooled, s, prediction, dtype, guidance, inte
     return uncond + scale * (cond - uncond)
 
 
-def generate(nets, noise, tokens, pooled, sigmas, k, rng, prediction, dtype, grad):
+def generate(nets, noise, text, k, rng, recipe, grad):
     """Backward simulation: the generator's steps 0..k-1 from `noise` without gradients (each x0 re-noised to the
-    next sigma with fresh noise), then its step k, with gradients if `grad` -> x0 of step k (fp32)."""
-    x = noise
+    next sigma with fresh noise), then its step k, with gradients if `grad` -> x0 of step k (fp32). `text`: the
+    (tokens, pooled) it is conditioned on."""
+    x, (tokens, pooled), prediction, dtype = noise, text, recipe.prediction, recipe.autocast
+    sigmas = generator_sigmas(recipe.gen_steps, recipe.gen_shift).to(noise.device)
     with torch.no_grad():
         for j in range(k):
             x0 = predict_x0(nets.generator, x, tokens, pooled, sigmas[j].expand(len(x)), prediction, dtype)
@@ -152,8 +157,7 @@ def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     dtype = recipe.autocast
     with torch.no_grad():
         x_t = add_noise(x0_gen.detach(), noise, s)
-        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, recipe.prediction, dtype, recipe.real_guidance,
-                            recipe.guidance_interval)
+        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, recipe)
         x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, recipe.prediction, dtype)
         grad = dmd_direction(x0_gen.detach(), x0_real, x0_fake)
     return 0.5 * F.mse_loss(x0_gen, (x0_gen - grad).detach())
@@ -173,11 +177,11 @@ def gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     return pull - pull.detach() + loss.detach()
 
 
-def fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, recipe):
-    """The fake score's flow loss on the detached generator sample at sigmas `s`. With the GAN on, the head learns
-    on the same forward, real latents noised alike: gan_d_weight * (softplus(D(generated)) + softplus(-D(real))).
-    -> (flow loss, GAN loss or None)."""
-    dtype = recipe.autocast
+def fake_score_loss(nets, x0_gen, real, text, s, noise, recipe):
+    """The fake score's flow loss on the detached generator sample at sigmas `s`, conditioned on `text` (tokens,
+    pooled). With the GAN on, the head learns on the same forward, real latents noised alike: gan_d_weight *
+    (softplus(D(generated)) + softplus(-D(real))). -> (flow loss, GAN loss or None)."""
+    dtype, (tokens, pooled) = recipe.autocast, text
     x0 = x0_gen.detach()
     if nets.head is None:
         v = velocity(nets.fake_train, add_noise(x0, noise, s), tokens, pooled, s, recipe.prediction, dtype)
@@ -197,15 +201,14 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
     "gan_g" (GAN on)}, weighted: backward takes their sum, and each reaches its own network only. `rng` draws,
     in order: the latents, the noise, the re-noising, the sigmas and noise of the losses."""
     device = next(nets.generator.parameters()).device
-    dtype = recipe.autocast
     with torch.no_grad():
         features = {key: value.to(device) for key, value in batch.items()} if "latents" in batch else \
             components.encode(batch["image"].to(device), list(batch["caption"]))
         tokens, pooled = components.condition(features)
         real = components.latents(features, rng)
-    n, sigmas = len(real), generator_sigmas(recipe.gen_steps, recipe.gen_shift).to(device)
+    n = len(real)
     noise = torch.randn(real.shape, generator=rng).to(device)
-    x0_gen = generate(nets, noise, tokens, pooled, sigmas, k, rng, recipe.prediction, dtype, grad=update_generator)
+    x0_gen = generate(nets, noise, (tokens, pooled), k, rng, recipe, grad=update_generator)
     losses = {}
     if update_generator:
         s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
@@ -215,7 +218,7 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
             losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
     s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
     noise = torch.randn(real.shape, generator=rng).to(device)
-    losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, tokens, pooled, s, noise, recipe)
+    losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, (tokens, pooled), s, noise, recipe)
     if gan_d is not None:
         losses["gan_d"] = gan_d
     return losses

@@ -1,10 +1,12 @@
-"""The processes of a run: torchrun's ranks (NCCL on CUDA, gloo on CPU), the device mesh FSDP shards over, and the
-one all-reduce a step needs for its logged losses."""
+"""The processes of a run: torchrun's ranks (NCCL on CUDA, gloo on CPU), the device mesh FSDP shards over, the
+gradient sync decision of accumulated micro-batches, the one all-reduce a step needs for its logged losses, and
+leaving together."""
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from model.errors import UserError
 
@@ -63,3 +65,17 @@ def mean_and_any(values, flag, info):
     t = torch.tensor([*values, float(flag)], dtype=torch.float64, device=info.device)
     dist.all_reduce(t)
     return [v / info.world_size for v in t[:-1].tolist()], t[-1].item() > 0
+
+
+def sync_gradients(model, sync):
+    """Whether the next forward and backward of `model` all-reduce its gradients: DDP's, on the last of a step's
+    micro-batches only, so the others accumulate locally (nanoGPT's require_backward_grad_sync). FSDP
+    reduce-scatters every micro-batch (its gradients stay sharded in between); one process has nothing to sync."""
+    if isinstance(model, DistributedDataParallel):
+        model.require_backward_grad_sync = sync
+
+
+def leave_together(info):
+    """Wait for every process at the end of a run: rank 0 may still be writing the last save or sample grid."""
+    if info.world_size > 1:
+        dist.barrier()

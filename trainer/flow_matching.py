@@ -1,31 +1,26 @@
 """The loss that pretraining, full fine-tuning and LoRA train: rectified flow (model/rectified_flow.py) on one
 micro-batch of images and captions, or of their cached features (dataset/cache.py)."""
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FlowRecipe:
     """How the flow loss trains: what the model predicts, how the sigmas are drawn (scheme, logit-normal mean and
-    std, shift), the loss and its weighting, the caption dropout, and the autocast dtype (None: fp32)."""
+    std, shift), the loss and its weighting, the caption dropout, and the autocast dtype (None: fp32). A stage
+    builds it from its arguments, whose values are its recipe."""
     prediction: str
-    sigma_scheme: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    train_shift: float = 1.0
-    loss: str = "mse"
-    weighting: str = "none"
-    caption_dropout: float = 0.0
+    sigma_scheme: str
+    logit_mean: float
+    logit_std: float
+    train_shift: float
+    loss: str
+    weighting: str
+    caption_dropout: float
     autocast: torch.dtype = None
-
-    @classmethod
-    def of(cls, args, prediction, autocast):
-        """The recipe of a stage's parsed arguments (those it declares), its prediction and precision."""
-        given = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        return cls(**{**given, "prediction": prediction, "autocast": autocast})
 
 
 def flow_matching_loss(model, components, batch, generator, recipe):

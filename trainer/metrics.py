@@ -1,5 +1,5 @@
 """What a run shows while it trains: its lines (rank 0, through the progress bar while it shows), the metrics file
-out/<run>_metrics.jsonl (a row a step), the progress bar, wandb, and the curves drawn from the file at each save.
+out/<run>_metrics.jsonl (a row a step), the progress bar, wandb, and the curves drawn from the file.
 """
 import json
 import os
@@ -9,14 +9,14 @@ from model.file_io import atomic_write_text
 
 
 class MetricsLog:
-    """The lines, metric rows, progress bar and wandb run of one run; rank 0 alone writes."""
+    """The lines, metric rows, progress bar and wandb run of the run `name` of `stage`, its files in `out_dir`;
+    rank 0 alone writes. `wandb`: (project, config) to log to wandb, or None. Its state (state_dict) is the wandb
+    run's id, which a resume continues."""
 
-    def __init__(self, args, info, stage, name):
-        self.info, self.stage, self.name, self.out_dir = info, stage, name, args.out_dir
-        self.wandb = (args.wandb_project, vars(args)) if args.use_wandb else None
-        self.path = os.path.join(args.out_dir, f"{name}_metrics.jsonl")
-        self.log_ids = bool(args.log_sample_ids)
-        self.bar = self.bar_span = self.wandb_run = self.last_val = None
+    def __init__(self, info, stage, name, out_dir, wandb=None):
+        self.info, self.stage, self.name, self.out_dir, self.wandb = info, stage, name, out_dir, wandb
+        self.path = os.path.join(out_dir, f"{name}_metrics.jsonl")
+        self.bar = self.bar_span = self.wandb_run = self.wandb_id = self.last_val = None
 
     def log(self, msg):
         """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
@@ -26,41 +26,45 @@ class MetricsLog:
             else:
                 print(msg, flush=True)
 
-    def open(self, first_step, last_step, resumed, wandb_id=None):
+    def state_dict(self):
+        return {"wandb_id": self.wandb_id}
+
+    def load_state_dict(self, state):
+        self.wandb_id = state["wandb_id"]
+
+    def open(self, first_step, last_step, resumed):
         """Rows past `first_step` belong to an earlier run, or to the lost tail of the resumed one: dropped (a fresh
-        run keeps none). wandb continues `wandb_id`'s run. -> the wandb run's id (None without wandb)."""
+        run keeps none). wandb continues the resumed run's."""
         self.bar_span = (first_step, last_step)  # the bar opens when the first step ends (write)
         if not self.info.is_main:
-            return wandb_id
+            return
         os.makedirs(self.out_dir, exist_ok=True)
         truncate_metrics(self.path, first_step if resumed else -1)
         if self.wandb is not None:
             import wandb
 
             project, config = self.wandb
-            self.wandb_run = wandb.init(project=project, name=self.name, id=wandb_id, resume="allow", config=config,
-                                        dir=self.out_dir,
+            self.wandb_run = wandb.init(project=project, name=self.name, id=self.wandb_id, resume="allow",
+                                        config=config, dir=self.out_dir,
                                         mode="online" if os.environ.get("WANDB_API_KEY") else "offline")
-            return self.wandb_run.id
-        return wandb_id
+            self.wandb_id = self.wandb_run.id
 
-    def write(self, run, val_loss=None, **metrics):
-        """The step's row (unless its update was skipped): its metrics, the validation loss when it was scored,
-        the images a second that training alone ran at, and the samples seen; the bar moves on."""
+    def write(self, position, values, images_per_s, skipped=False, ids=None):
+        """The step's row: the position's step and epoch, `values` (one that is None, a validation loss not
+        scored this step, left out), the images a second that training alone ran at, the samples seen, and the
+        dataset indices it trained on if given (`ids`); none for a step whose update was skipped. The bar moves on
+        either way."""
         self._open_bar()
-        if val_loss is not None:
-            metrics["val_loss"] = val_loss
-        if self.info.is_main and not run.skipped:
-            row = {"step": run.step, "epoch": run.epoch, **metrics, "images_per_s": run.images_per_s,
-                   "samples_seen": run.samples_seen}
-            if self.log_ids:
-                row["sample_ids"] = run.ids
-            self.write_row(row)
-            self.last_val = metrics.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
+        values = {name: value for name, value in values.items() if value is not None}
+        if self.info.is_main and not skipped:
+            row = {"step": position.step, "epoch": position.epoch, **values, "images_per_s": images_per_s,
+                   "samples_seen": position.samples_seen}
+            self.write_row(row if ids is None else {**row, "sample_ids": ids})
+            self.last_val = values.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
             shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in
-                     {**metrics, "val_loss": self.last_val}.items()
+                     {**values, "val_loss": self.last_val}.items()
                      if name != "grad_norm" and isinstance(value, float)}
-            self.bar.set_postfix(shown, img_s=f"{run.images_per_s:.0f}")
+            self.bar.set_postfix(shown, img_s=f"{images_per_s:.0f}")
         if self.bar is not None:
             self.bar.update(1)
 

@@ -10,7 +10,7 @@ A sharded run's state dicts hold DTensors. What a resume checkpoint stores is th
 model's parameter names as keys, the optimizer's state too: NamedOptimizerState), so a checkpoint written by one
 mode loads into another: `conform` cuts full tensors into this process's shards; trainer/sharded_checkpoint.py
 reads DCP shards into whatever layout the run has. `gathered` makes a sharded state dict whole on rank 0 for the
-exported weights.
+exported weights (write_export).
 """
 import itertools
 
@@ -81,6 +81,14 @@ def gathered(state, info):
     return whole if info.is_main else None
 
 
+def write_export(export, state, position, info):
+    """What other tools read of a run at its position: `state` (the exported weights' state dict) made whole on
+    rank 0 (gathered) and written by `export` (model/weights.WeightsExport, model/model_lora.LoRAExport); every
+    process calls it. -> bytes written (0 on the other ranks)."""
+    weights = gathered(state, info)
+    return export.write(position.step, weights, position.samples_seen) if info.is_main else 0
+
+
 def to_item(value):
     """A scalar tensor's number, made whole first if it is a DTensor (e.g. a norm of sharded gradients)."""
     return (value.full_tensor() if isinstance(value, DTensor) else value).item()
@@ -131,6 +139,8 @@ class NamedOptimizerState:
             if any(isinstance(p, DTensor) for p in self.model.parameters()):
                 raise UserError("this resume checkpoint keeps its optimizer state by position, from an older "
                                 "version: resume it once without --fsdp, then the saves that follow load anywhere")
-            self.optimizer.load_state_dict(state)
+            one = self.optimizer[0] if isinstance(self.optimizer, (list, tuple)) and len(self.optimizer) == 1 else \
+                self.optimizer
+            one.load_state_dict(state)
             return
         set_optimizer_state_dict(self.model, self.optimizer, state)

@@ -9,7 +9,6 @@ The chosen and the rejected image of a pair are noised with the same noise at th
 between their losses is the image alone. The implicit reward accuracy is the fraction of pairs with inside > 0
 (ties count half), its margin the mean of inside.
 """
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,59 +22,69 @@ from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
-from model.rectified_flow import add_noise, predict_velocity, sample_sigmas
+from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas
 
 
-@dataclass(frozen=True)
+DRAW_BATCH = 256  # images sampled at once while drawing a round
+
+
+@dataclass(frozen=True, kw_only=True)
 class DPORecipe:
     """How the Flow-DPO loss trains: beta, what the model predicts, how the shared sigmas are drawn (scheme,
-    logit-normal mean and std, shift), and the autocast dtype (None: fp32)."""
+    logit-normal mean and std, shift), and the autocast dtype (None: fp32). The stage builds it from its
+    arguments."""
     prediction: str
-    dpo_beta: float = 1000.0
-    sigma_scheme: str = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
-    train_shift: float = 3.0
+    dpo_beta: float
+    sigma_scheme: str
+    logit_mean: float
+    logit_std: float
+    train_shift: float
     autocast: torch.dtype = None
 
 
 @dataclass(frozen=True)
 class PairRounds:
     """How a run draws its own pairs each round: prompts a round, images a prompt, which pairs of them (choice),
-    the sampler (steps, cfg, shift), the seed, the resolution, the prediction, the autocast dtype, and the
-    captions never drawn (the scored prompts never become pairs)."""
+    how the images are drawn (`sampler`: model/rectified_flow.Sampler), the seed, and the captions never drawn
+    (the scored prompts never become pairs)."""
     prompts: int
     images: int
     choice: str
-    sampling: dict
+    sampler: Sampler
     seed: int
-    resolution: int
-    prediction: str
-    autocast: torch.dtype = None
     avoid: tuple = ()
 
     def resolved(self, drawing):
         """What the run took from the starting weights for --pair_sample_cfg and --pair_sample_shift (when
         `drawing` its pairs), for the resume checkpoint to record."""
-        return {"pair_sample_cfg": self.sampling["cfg"], "pair_sample_shift": self.sampling["shift"]} if drawing \
-            else {}
+        return {"pair_sample_cfg": self.sampler.cfg, "pair_sample_shift": self.sampler.shift} if drawing else {}
+
+
+class Reference:
+    """The frozen reference the loss compares with, as a context giving its model: a separate frozen model, or the
+    policy itself with its adapters switched off while the context lasts (`adapters_off`)."""
+
+    def __init__(self, model, adapters_off=False):
+        self.model, self.adapters_off = model, adapters_off
+
+    def __enter__(self):
+        if self.adapters_off:
+            set_lora_scale(self.model, 0.0)
+        return self.model
+
+    def __exit__(self, *exc):
+        if self.adapters_off:
+            set_lora_scale(self.model, 1.0)
 
 
 def frozen_copy_reference(reference):
     """The reference as a separate frozen model (a full fine-tune: the starting weights, copied)."""
-    return lambda: contextlib.nullcontext(reference)
+    return Reference(reference)
 
 
 def adapters_off_reference(model):
     """The reference as the policy's own frozen base with its adapters switched off (a LoRA: no second copy)."""
-    @contextlib.contextmanager
-    def reference():
-        set_lora_scale(model, 0.0)
-        try:
-            yield model
-        finally:
-            set_lora_scale(model, 1.0)
-    return reference
+    return Reference(model, adapters_off=True)
 
 
 def pair_batch_features(components, batch, device):
@@ -94,8 +103,8 @@ def dpo_inside(errors, reference_errors, beta):
 
 def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
-    (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
-    reference model. `generator` draws each side's latent sample, the shared noise and the shared sigmas, in that
+    (the last two detached: logged, adding nothing to the gradient). `reference` is a context giving the frozen
+    reference model (Reference). `generator` draws each side's latent sample, the shared noise and the shared sigmas, in that
     order, as `recipe` (DPORecipe) says."""
     device = next(policy.parameters()).device
     with torch.no_grad():
@@ -116,7 +125,7 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
             v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction)
         return (v.float() - target).pow(2).flatten(1).mean(1)
 
-    with torch.no_grad(), reference() as reference_model:
+    with torch.no_grad(), reference as reference_model:
         reference_errors = errors(reference_model)
     inside = dpo_inside(errors(policy), reference_errors, recipe.dpo_beta)
     accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()
@@ -154,23 +163,22 @@ def pairs_per_prompt(images_per_prompt, choice):
 
 
 @torch.no_grad()
-def draw_round(model, components, specs, images_per_prompt, sampling, seeds, resolution, prediction, device,
-               choice="best_worst", batch_size=256, autocast=None):
-    """Sample `images_per_prompt` images of each spec's caption (spec k's noise seeded from seeds[k] on) and score
-    them -> [[(caption, chosen uint8, rejected uint8), ...] per spec] (empty: all its images scored alike), and
-    [(mean score, fraction right) per spec]. `choice`: "best_worst" = a prompt's best and worst image, "all" =
-    every two of its images whose scores differ, the higher scored chosen."""
-    captions = [spec["caption"] for spec in specs for _ in range(images_per_prompt)]
-    noise_seeds = [seed + j for seed in seeds for j in range(images_per_prompt)]
+def draw_round(model, components, specs, seeds, rounds, device):
+    """Sample rounds.images images of each spec's caption (spec k's noise seeded from seeds[k] on), DRAW_BATCH at
+    a time, and score them -> [[(caption, chosen uint8, rejected uint8), ...] per spec] (empty: all its images
+    scored alike), and [(mean score, fraction right) per spec]. rounds.choice: "best_worst" = a prompt's best and
+    worst image, "all" = every two of its images whose scores differ, the higher scored chosen."""
+    per_prompt, batch = rounds.images, DRAW_BATCH
+    captions = [spec["caption"] for spec in specs for _ in range(per_prompt)]
+    noise_seeds = [seed + j for seed in seeds for j in range(per_prompt)]
     images = np.concatenate([to_uint8(sample_images(
-        model, components, captions[i:i + batch_size], seed=noise_seeds[i:i + batch_size], **sampling,
-        resolution=resolution, device=device, prediction=prediction, autocast=autocast))
-        for i in range(0, len(captions), batch_size)])
+        model, components, captions[i:i + batch], noise_seeds[i:i + batch], rounds.sampler, device))
+        for i in range(0, len(captions), batch)])
     pairs, stats = [], []
     for k, spec in enumerate(specs):
-        own = images[k * images_per_prompt:(k + 1) * images_per_prompt]
+        own = images[k * per_prompt:(k + 1) * per_prompt]
         scores, right = score_images(spec, own)
-        pairs.append([(spec["caption"], own[i], own[j]) for i, j in pair_indices(scores, choice)])
+        pairs.append([(spec["caption"], own[i], own[j]) for i, j in pair_indices(scores, rounds.choice)])
         stats.append((float(scores.mean()), float(right.mean())))
     return pairs, stats
 
@@ -184,9 +192,8 @@ def refresh_pool(pool, round_, model, components, info, rounds, log):
     mine = list(range(info.rank, len(specs), info.world_size))
     mine += mine[-1:] * (per_rank - len(mine))
     seed = (rounds.seed * 100003 + round_) * 1000
-    pairs, stats = draw_round(model, components, [specs[k] for k in mine], rounds.images, rounds.sampling,
-                              [seed + k * rounds.images for k in mine], rounds.resolution, rounds.prediction,
-                              info.device, rounds.choice, autocast=rounds.autocast)
+    pairs, stats = draw_round(model, components, [specs[k] for k in mine], [seed + k * rounds.images for k in mine],
+                              rounds, info.device)
     drawn = dict(zip(mine, zip(pairs, stats)))
     if info.world_size > 1:
         gathered = [None] * info.world_size

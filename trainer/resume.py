@@ -1,7 +1,9 @@
 """Finding a resume checkpoint (every process reads it, all stop together if one cannot) and checking that it can
-continue this run: the same stage, what is trained, the identity arguments; recipe changes only when forced."""
+continue this run: the same stage, what is trained, the identity arguments; recipe changes only when forced. What
+a start says of it, in lines the stage logs."""
 import json
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,22 +21,9 @@ def resume_stem(from_resume, default_stem):
     return default_stem if from_resume == "1" else stem_of(from_resume)
 
 
-def saved_record(from_resume, default_stem):
-    """The record of the resume checkpoint --from_resume names (its manifest alone, read before anything is
-    built: what the run computed in), or None; find_resume reads and checks the checkpoint itself later."""
-    stem = resume_stem(from_resume, default_stem)
-    if stem is None:
-        return None
-    try:
-        with open(manifest_path(stem), encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def find_resume(from_resume, default_stem, info):
-    """-> (stem, state) of the resume checkpoint to continue, or (stem, None) to start fresh. `from_resume` is
+    """-> (stem, state) of the resume checkpoint to continue (its state with "manifest": the path it was read
+    through), or (stem, None) to start fresh. `from_resume` is
     "0", "1" (the default checkpoint, if there is one) or a path. Every process reads the file itself, so the
     save folder must be one that every node sees; the processes share the hashing of its files. If any process
     fails, all stop with a one-line error."""
@@ -60,7 +49,19 @@ def find_resume(from_resume, default_stem, info):
         raise CheckpointError(error)
     if not ok:
         raise UserError("another process could not read the resume checkpoint (its error is above)")
+    if isinstance(state, dict):
+        state = {**earlier_layout(state), "manifest": manifest_path(stem)}
     return stem, state
+
+
+def earlier_layout(state):
+    """A resume file from before the metrics had their own entry and the position its micro-batch size, in
+    today's layout: the wandb run's id under "metrics", the micro-batch size that of its arguments."""
+    if "metrics" not in state and "args" in state:
+        state = {**state, "metrics": {"wandb_id": state.get("wandb_id")},
+                 "batch_size": state.get("batch_size", state["args"].get("batch_size"))}
+        state.pop("wandb_id", None)
+    return state
 
 
 # What runs saved before an argument existed did, by its name: their frozen transformers were held in fp32, and
@@ -69,25 +70,36 @@ EARLIER_VALUES = {"frozen_dtype": "fp32", "caption_prefix": "", "caption_suffix"
                   "random_flip": 0.0, "shuffle_tags": 0, "keep_tags": 0, "val_fraction": 0.0}
 
 
-def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=False, resolved=None):
-    """Raise a one-line UserError if `state` cannot continue this run; -> the recipe changes accepted by
-    --force_resume (empty when nothing changed). How each argument is treated, args.resume_kinds says
-    (trainer/arguments.py). `not_shorter`: the schedule does not end earlier than the saved one, so changed lengths
-    (--max_steps, --epochs) are no recipe change. `identity`: what is trained (e.g. the LoRA's base weights),
-    which must match. `resolved`: the settings decided at start-up from the arguments (e.g. the prediction the
-    start weights have, for --prediction unset), compared in their place: a checkpoint saves them beside the
-    arguments as parsed (one from before kept them in its arguments)."""
+@dataclass(frozen=True)
+class RunSpec:
+    """What a resume checkpoint records of its run, and a resume compares: the stage, what it trains (`trains`,
+    e.g. a LoRA's base weights; it must match), the arguments as parsed (`arguments`: vars(args)) with each one's
+    resume kind (`kinds`: args.resume_kinds, trainer/arguments.py), and the settings decided from them at
+    start-up (`resolved`: the prediction the start weights have for --prediction unset, the precision...),
+    compared in their place."""
+    stage: str
+    trains: dict
+    arguments: dict
+    kinds: dict
+    resolved: dict
+
+
+def check_resume(state, spec, dataset_size, not_shorter=False):
+    """Raise a one-line UserError if `state` cannot continue the run `spec` describes; -> the recipe changes
+    accepted by --force_resume (empty when nothing changed). `not_shorter`: the schedule does not end earlier than
+    the saved one, so changed lengths (--max_steps, --epochs) are no recipe change."""
     if not isinstance(state, dict) or state.get("kind") != "resume":
         raise UserError("the resume file is not a MiniSD3 resume checkpoint")
-    if state["stage"] != stage:
-        raise UserError(f"the resume checkpoint is from stage '{state['stage']}', not '{stage}'")
-    saved_identity, identity = state.get("trained", {"kind": "full"}), identity or {"kind": "full"}
-    if saved_identity != identity:
-        raise UserError(f"the resume checkpoint trained {json.dumps(saved_identity)}, this run would train "
-                        f"{json.dumps(identity)}: resume from what it started with, or start a fresh run")
+    if state["stage"] != spec.stage:
+        raise UserError(f"the resume checkpoint is from stage '{state['stage']}', not '{spec.stage}'")
+    saved_trains = state.get("trained", {"kind": "full"})
+    if saved_trains != spec.trains:
+        raise UserError(f"the resume checkpoint trained {json.dumps(saved_trains)}, this run would train "
+                        f"{json.dumps(spec.trains)}: resume from what it started with, or start a fresh run")
+    # a checkpoint saves the resolved settings beside the arguments as parsed (one from before kept them in its
+    # arguments); an argument this stage no longer has changes nothing; one the file lacks is compared as None
     saved = {**EARLIER_VALUES, **state["args"], **state.get("resolved", {})}
-    now, kinds = {**vars(args), **(resolved or {})}, args.resume_kinds
-    # an argument this stage no longer has changes nothing; one it has that the file lacks is compared as None
+    now, kinds = {**spec.arguments, **spec.resolved}, spec.kinds
     changed = sorted(k for k in now if saved.get(k) != now[k] and kinds.get(k) != "free")
 
     def change(k):
@@ -100,7 +112,44 @@ def check_resume(state, args, stage, dataset_size, identity=None, not_shorter=Fa
     recipe = [change(k) for k in changed if not (kinds.get(k) == "length" and not_shorter)]
     if state["dataset_size"] != dataset_size:
         recipe.append(f"dataset size {state['dataset_size']} (saved) vs {dataset_size} (now)")
-    if recipe and not args.force_resume:
+    if recipe and not spec.arguments["force_resume"]:
         raise UserError("cannot resume with changed settings: " + "; ".join(recipe) +
                         " (pass --force_resume 1 to continue with the new values)")
     return recipe
+
+
+def resume_lines(state, spec, position, stem):
+    """What a start says of resuming, after checking that `state` (a resume checkpoint, or None) fits the run
+    (check_resume; a refusal is a one-line UserError): a fresh run's word on the checkpoint at `stem` it does not
+    continue, or the recipe changes --force_resume accepted, a longer schedule, another number of processes, and
+    where the run goes on. `position`: the run's, before it is restored."""
+    if state is None:
+        if str(spec.arguments["from_resume"]) == "1":
+            return [f"no resume checkpoint at {manifest_path(stem)}: starting from scratch"]
+        if os.path.exists(manifest_path(stem)):
+            return [f"warning: starting a fresh run; the resume checkpoint at {manifest_path(stem)} will be replaced "
+                    "at the first save (pass --from_resume 1 to continue it instead)"]
+        return []
+    args = state["args"]
+    saved_plan = position.planned_steps(args["max_steps"], args["epochs"], state["plan_batch"])
+    plan = position.planned_steps(position.max_steps, position.epochs, state["plan_batch"])
+    lines = [f"warning: resuming with a changed setting (--force_resume): {change}"
+             for change in check_resume(state, spec, len(position.dataset), not_shorter=plan >= saved_plan)]
+    if plan > saved_plan:
+        lines.append(f"the schedule now ends at step {plan} (it was to end at step {saved_plan}): the learning rate "
+                     "follows the longer schedule from here")
+    if (state["world_size"], state["global_batch"]) != (position.info.world_size, position.global_batch):
+        lines.append(f"resuming with {position.info.world_size} process(es) and global batch {position.global_batch} "
+                     f"(saved: {state['world_size']}, {state['global_batch']}): {state['samples_seen']} samples seen, "
+                     f"epoch {state['epoch']} continues at sample {state['consumed']} of its permutation")
+    lines.append(f"resumed {state['manifest']} at step {state['step']} (epoch {state['epoch']}, "
+                 f"{state['samples_seen']} samples seen)")
+    return lines
+
+
+def resumed_dtype(state, world_size):
+    """What the run a resume continues computed in (its resolved dtype), where it ran on as many processes; or
+    None: --dtype fast keeps it, so the trajectory goes on as it began."""
+    if state is None or state.get("world_size") != world_size:
+        return None
+    return state.get("resolved", {}).get("dtype")

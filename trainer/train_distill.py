@@ -1,57 +1,64 @@
-"""Distillation (DMD2): a few-step generator from a trained model, sampled in 4 steps without guidance where its
-teacher takes 20 steps with classifier-free guidance (40 transformer evaluations).
+"""Distillation (DMD2): a few-step generator from a trained model, sampled in a few steps without guidance where its
+teacher takes many, with classifier-free guidance.
 
-    python trainer/train_distill.py                                   # a 4-step student of out/pretrain_tiny
+    python trainer/train_distill.py                                   # a few-step student of out/pretrain_tiny
     torchrun --nproc_per_node 2 trainer/train_distill.py --fsdp 1
     python trainer/train_distill.py --from_weight sft --gen_steps 2
     python trainer/train_distill.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
 
-The recipe (trainer/distillation.py, DMD2 on rectified flow): three copies of `--from_weight`. The teacher is
-frozen and guided (--real_guidance, default: the guidance its own sample grids used) where the scores compare at
-sigma 0.5 or below, and plain above (a guided target at high noise costs the student its shapes: BENCHMARKS.md).
-The fake score learns, every step, the flow loss on the generator's samples (detached). The generator learns every
---gen_update_ratio-th step: it samples from noise on --gen_steps fixed sigmas (the teacher sampler's, shifted
-alike), and the distribution-matching loss moves its sample along x0_fake - x0_real, both scores reading it noised
-at a random sigma. AdamW for both networks; an EMA of the generator, exported and sampled; the numbers are the
-recipe at the end of parse_args. Writes out/distill_<preset>.json (the generator's weights; its record says it
-samples in its steps with re-noising and no guidance, which eval/eval_sample.py and eval/eval_geneval.py follow),
-sample grids in out/samples/ (step 0: the teacher's weights sampled in the generator's steps), metrics in
-out/distill_<preset>_metrics.jsonl and the resume checkpoint (both networks, both optimizers, the EMA, the data
-position) checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+Three copies of `--from_weight`: the teacher, frozen and guided; the fake score, which learns the flow loss on the
+generator's samples every step; the generator, which learns the distribution-matching loss every
+--gen_update_ratio-th step (trainer/distillation.py has the losses). AdamW for both networks; an EMA of the
+generator, exported and sampled; the recipe's values are parse_args' set_defaults. Writes out/distill_<preset>.json
+(the generator's weights; its record says it samples in its steps with re-noising and no guidance, which
+eval/eval_sample.py and eval/eval_geneval.py follow), sample grids in out/samples/ (step 0: the teacher's weights
+sampled in the generator's steps), metrics in out/distill_<preset>_metrics.jsonl and the resume checkpoint
+checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
 """
+import math
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.image_folder import CaptionOptions  # noqa: E402
+from dataset.training_data import DataSettings, warn_truncated  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.model_sd3light import PRESETS  # noqa: E402
-from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import WeightsExport, run_name, weights_identity  # noqa: E402
+from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.weights import WeightsExport, check_export, load_components, run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args,
     add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import export_record  # noqa: E402
+from trainer.checkpointer import Checkpointer  # noqa: E402
 from trainer.distillation import (  # noqa: E402
     DistillRecipe, GANHead, Networks, distillation_losses, generator_sigmas, generator_step,
 )
+from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews  # noqa: E402
-from trainer.startup import open_run, start_up, start_weights_source  # noqa: E402
-from trainer.training_run import TrainingRun  # noqa: E402
+from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = StageParser(__doc__)
-    run, recipe = parser.identity, parser.recipe
-    run.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the size of the teacher's weights")
-    run.add_argument("--resolution", type=positive_int, default=32, help="image size the generator draws: the "
-                     "side of the square, or the area of the aspect-ratio buckets")
-    run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the teacher predicts "
-                     "(leave it unset: it is read from it)")
+    identity, recipe = parser.identity, parser.recipe
+    identity.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the size of the teacher's "
+                          "weights")
+    identity.add_argument("--resolution", type=positive_int, default=32, help="image size the generator draws: the "
+                          "side of the square, or the area of the aspect-ratio buckets")
+    identity.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the teacher "
+                          "predicts (leave it unset: it is read from it)")
     recipe.add_argument("--from_weight", default="pretrain", help="the teacher: a stage name in --out_dir "
                         "('pretrain' = pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or "
                         "of a diffusers folder, or 'base' = --base's transformer")
@@ -80,11 +87,11 @@ def parse_args(argv=None):
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
     add_plumbing_args(parser)
-    # The recipe: 600 steps of 16 captions of 8,000 built-in samples, AdamW at 1e-4 for both networks (weight decay
-    # 0.01), 50 warmup steps and constant after (as DMD2), an EMA of the generator of 0.99
-    parser.set_defaults(num_samples=8000, batch_size=16, learning_rate=1e-4, warmup_steps=50, min_lr_ratio=1.0,
-                        epochs=1, max_steps=600, weight_decay=0.01, grad_clip=1.0, ema_decay=0.99,
-                        save_interval=200, sample_interval=400)
+    # The recipe: a fixed number of steps over the built-in captions, AdamW for both networks with weight decay, a
+    # warmup and a constant rate after (as DMD2), an EMA of the generator
+    parser.set_defaults(num_samples=8000, batch_size=16, accumulation_steps=1, learning_rate=1e-4, weight_decay=0.01,
+                        grad_clip=1.0, ema_decay=0.99, seed=0, warmup_steps=50, min_lr_ratio=1.0, epochs=1,
+                        max_steps=600, save_interval=200, sample_interval=400, save_dtype="bf16")
     return parser.parse_args(argv)
 
 
@@ -97,102 +104,180 @@ def check_args(args):
                         "--real_guidance 1)".format(*args.guidance_interval))
 
 
-def distill_recipe(args, teacher, autocast, log):
+def distill_recipe(args, teacher, autocast):
     """The losses' recipe: what --gen_shift, --score_shift and --real_guidance leave unset is the teacher's own
-    sampling (its record). -> (the recipe, the generator's sigmas)."""
+    sampling (its record)."""
     gen_shift = args.gen_shift or teacher["sampling"]["shift"]
     guidance = teacher["sampling"]["cfg"] if args.real_guidance is None else args.real_guidance
-    recipe = DistillRecipe(teacher["prediction"], autocast, args.gen_steps, gen_shift, args.score_shift or gen_shift,
-                           guidance, tuple(args.guidance_interval), args.min_sigma, args.max_sigma, args.gan_weight,
-                           args.gan_d_weight)
-    sigmas = [round(s, 6) for s in generator_sigmas(recipe.gen_steps, recipe.gen_shift).tolist()]
-    low, high = recipe.guidance_interval
-    log(f"teacher {teacher['manifest']} (step {teacher['step']}, predicts {teacher['prediction']}, guidance "
-        f"{guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
-    return recipe, sigmas
-
-
-def networks(args, info, nets, autocast):
-    """DDP or FSDP for each network (the teacher sharded, not wrapped), and the GAN head if --gan_weight."""
-    teacher, generator, fake = nets["teacher"], nets["generator"], nets["fake_score"]
-    head = GANHead(fake.config.inner_dim).to(info.device) if args.gan_weight > 0 else None
-    return Networks(data_parallel(teacher.eval(), info, args.compile, autocast), generator,
-                    data_parallel(generator, info, args.compile, autocast), fake,
-                    data_parallel(fake, info, args.compile, autocast), head,
-                    data_parallel(head, info, False, autocast) if head else None)
-
-
-def generator_export(args, name, generator, components, teacher, recipe, sigmas):
-    """What a save exports: the generator's EMA (else its weights), recording how it samples (its steps,
-    re-noised, without guidance) and what it was distilled from."""
-    sampling = {"steps": recipe.gen_steps, "cfg": 1.0, "shift": recipe.gen_shift, "renoise": True}
-    record = export_record(args, "distill", recipe.prediction, sampling, generator.config, components,
-                           teacher=weights_identity(teacher, args.out_dir), teacher_sampling=teacher["sampling"],
-                           generator_sigmas=sigmas)
-    return WeightsExport(os.path.join(args.out_dir, name), generator, components, record,
-                         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
+    return DistillRecipe(prediction=teacher["prediction"], autocast=autocast, gen_steps=args.gen_steps,
+                         gen_shift=gen_shift, score_shift=args.score_shift or gen_shift, real_guidance=guidance,
+                         guidance_interval=tuple(args.guidance_interval), min_sigma=args.min_sigma,
+                         max_sigma=args.max_sigma, gan_weight=args.gan_weight, gan_d_weight=args.gan_d_weight)
 
 
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    # cpu_bf16=False: the generator's gradient is the difference of two scores' predictions (bf16 not measured)
     name = run_name("distill", args.preset)
-    info, metrics, checkpointer, precision = open_run(args, "distill", name, cpu_bf16=False, frozen_transformer=True)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
+                         else None)
+    log = metrics.log
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
+    # cpu_bf16=False: the generator's gradient is the difference of two scores' predictions (bf16 not measured)
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
+                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
+    for line in precision.notes:
+        log(line)
     torch.manual_seed(args.seed)
 
-    # The teacher's record (its prediction and sampler kept); the components, the data and its cache; three copies of
-    # its weights: the teacher frozen (in --frozen_dtype), the generator and the fake score trained
-    teacher = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
-    recipe, sigmas = distill_recipe(args, teacher, precision.autocast, metrics.log)
-    start = start_up(args, info, precision, metrics.log, {"teacher": "frozen", "generator": "trained",
-                                                          "fake_score": "trained"}, record=teacher)
-    if start.dataset is None:  # --cache_only: the cache is built
-        return
-    nets, components = networks(args, info, start.nets, precision.autocast), start.components
+    # Set-up, one large thing in memory at a time: the teacher's record (its prediction and sampler kept) and
+    # components; the data and its cache (the text encoders then freed); the estimate; three copies of its weights:
+    # the teacher frozen (in --frozen_dtype), the generator and the fake score trained
+    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+    recipe = distill_recipe(args, source, precision.autocast)
+    sigmas = [round(s, 6) for s in generator_sigmas(recipe.gen_steps, recipe.gen_shift).tolist()]
+    low, high = recipe.guidance_interval
+    log(f"teacher {source['manifest']} (step {source['step']}, predicts {recipe.prediction}, guidance "
+        f"{recipe.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
+    config = SD3LightConfig.from_dict(source["transformer"])
+    components = load_components(source, info.device, torch_dtype(precision.frozen))
+    check_export(components, recipe.prediction, args.export_pipeline, args.export_single_file)
+    settings = DataSettings(
+        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
+        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
+        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
+        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
+        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
+        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
+    data = stage_data(settings, components, config, info, args.batch_size, log)
+    if data.dataset is None:  # --cache_only: the cache is built
+        return None
+    plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,
+                      args.batch_size, args.resolution, bool(args.gradient_checkpointing))
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    teacher, generator, fake = (load_network(source, role, precision.frozen, info) for role in
+                                ("frozen", "trained", "trained"))
+    for net in (teacher, generator, fake):
+        net.gradient_checkpointing = bool(args.gradient_checkpointing)
+    log_peak(info, "the weights loaded", log)
 
-    # AdamW for the generator, the fake score and the GAN head; the generator's EMA is what is exported
+    # DDP or FSDP for each network (the teacher sharded, not wrapped), and the GAN head if --gan_weight; AdamW for
+    # the generator, the fake score and the head; the generator's EMA is what is exported
+    head = GANHead(fake.config.inner_dim).to(info.device) if args.gan_weight > 0 else None
+    nets = Networks(data_parallel(teacher.eval(), info, args.compile, precision.autocast), generator,
+                    data_parallel(generator, info, args.compile, precision.autocast), fake,
+                    data_parallel(fake, info, args.compile, precision.autocast), head,
+                    data_parallel(head, info, False, precision.autocast) if head else None)
     fake_lr = args.fake_learning_rate or args.learning_rate
-    trained = {"generator": nets.generator, "fake_score": nets.fake, "gan_head": nets.head}
+    trained = {"generator": generator, "fake_score": fake, "gan_head": head}
     optimizers = {name: torch.optim.AdamW(net.parameters(), lr=args.learning_rate, betas=(0.9, 0.999),
                                           weight_decay=args.weight_decay, fused=True)
                   for name, net in trained.items() if net is not None}
-    ema = EMA(nets.generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    ema = EMA(generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
 
-    export = generator_export(args, name, nets.generator, components, teacher, recipe, sigmas)
-    run = TrainingRun(args, info, start.dataset, metrics)
-    checkpointer.start(run, export, exported=ema or nets.generator, resolved={
-        "prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift, "score_shift":
-        recipe.score_shift, "real_guidance": recipe.real_guidance, "fake_learning_rate": fake_lr},
-        identity={"kind": "distill", "teacher": weights_identity(teacher, args.out_dir)}, **trained, ema=ema,
-        **{f"{name}_optimizer": NamedOptimizerState(net, optimizers[name]) if net is not None else None
-           for name, net in trained.items()})
-    previews = Previews(args, info, name, nets.generator, ema, components, start.prompts, export.record["sampling"],
-                        recipe.prediction, precision, start.validation, metrics.log)
-    previews.first(run, metrics)  # step 0: the teacher's weights sampled in the generator's steps
+    # What a save writes: the resume checkpoint, then the generator's EMA (else its weights), recording how it
+    # samples (its steps, re-noised, without guidance) and what it was distilled from
+    sampling = {"steps": recipe.gen_steps, "cfg": 1.0, "shift": recipe.gen_shift, "renoise": True}
+    teacher_identity = weights_identity(source, args.out_dir)
+    export = WeightsExport(os.path.join(args.out_dir, name), generator, components, {
+        "stage": "distill", "preset": args.preset, "resolution": args.resolution, "prediction": recipe.prediction,
+        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+        "components": components.spec, "sampling": sampling, "teacher": teacher_identity,
+        "teacher_sampling": source["sampling"], "generator_sigmas": sigmas, "args": vars(args)},
+        SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
+    saved_objects = {**trained, "ema": ema, **{f"{name}_optimizer": NamedOptimizerState(net, optimizers[name])
+                                               if net is not None else None for name, net in trained.items()},
+                     "metrics": metrics}
+    spec = RunSpec("distill", {"kind": "distill", "teacher": teacher_identity}, vars(args), args.resume_kinds,
+                   {"prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift,
+                    "score_shift": recipe.score_shift, "real_guidance": recipe.real_guidance,
+                    "fake_learning_rate": fake_lr})
+    sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
+    previews = Previews(generator, ema, components, sampler, args.seed, info,
+                        os.path.join(args.out_dir, "samples", name))
 
-    for batches in run.steps(nets.generator_train, nets.fake_train, nets.head_train):
-        update = run.step % args.gen_update_ratio == 0  # the generator learns every Nth step, the fake score every step
-        k = generator_step(run.step, recipe.gen_steps, args.seed)  # the generator draws from its step k
-        lr = run.schedule_lr(optimizers["generator"], args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        run.schedule_lr([optimizers[n] for n in ("fake_score", "gan_head") if n in optimizers], fake_lr,
-                        args.warmup_steps, args.min_lr_ratio)
-        for batch in batches:  # each network's losses of each micro-batch; their gradients accumulate
-            run.backward(distillation_losses(nets, components, batch, run.generator, k, update, recipe))
-        losses = run.mean_losses()
-        norms = {"fake_grad_norm": run.optimizer_step(optimizers["fake_score"], nets.fake.parameters(),
-                                                      losses["fake_score"], args.grad_clip)}
-        if nets.head is not None:
-            norms["gan_grad_norm"] = run.optimizer_step(optimizers["gan_head"], nets.head.parameters(),
-                                                        losses["gan_d"], args.grad_clip)
-        if update:
-            norms["gen_grad_norm"] = run.optimizer_step(optimizers["generator"], nets.generator.parameters(),
-                                                        losses["dmd"] + losses.get("gan_g", 0.0), args.grad_clip, ema)
-        run.end_step()
-        metrics.write(run, lr=lr, **losses, **norms, val_loss=previews.validate(run))
-        checkpointer.save(run)  # every --save_interval steps, at the end, and on a stop signal
-        previews.grid(run)  # every --sample_interval steps and at the end
-    checkpointer.finish(run, components)
+    # Where the run is: resumed (--from_resume), or at its start
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
+    checkpointer.restore(saved, position, **saved_objects)
+    for line in notes + [run_line("distill", [p for net in trained.values() if net for p in net.parameters()],
+                                  position, info)]:
+        log(line)
+    metrics.open(position.step, position.step + position.steps_left, saved is not None)
+    if saved is None:  # a fresh run's step 0: the teacher's weights sampled in the generator's steps
+        log(f"sample grid: {previews.grid(0, data.prompts)}")
+        if data.validation:
+            metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
+                               "samples_seen": 0})
+
+    stopping, guard = False, NonFiniteSteps(args.save_dir)
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+        while not (position.finished or stopping):
+            started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
+            update = position.step % args.gen_update_ratio == 0  # the generator learns every Nth step
+            k = generator_step(position.step, recipe.gen_steps, args.seed)  # it draws from its step k
+            lr = set_lr(optimizers["generator"], lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                                       args.warmup_steps, args.min_lr_ratio))
+            set_lr([optimizers[n] for n in ("fake_score", "gan_head") if n in optimizers],
+                   lr_at(position.progress, position.plan_steps, fake_lr, args.warmup_steps, args.min_lr_ratio))
+            totals = {}
+            for micro, batch in enumerate(batches):  # each network's losses; the gradients accumulate
+                for net in (nets.generator_train, nets.fake_train, nets.head_train):
+                    sync_gradients(net, micro == args.accumulation_steps - 1)
+                losses = distillation_losses(nets, components, batch, position.generator, k, update, recipe)
+                (sum(losses.values()) / args.accumulation_steps).backward()  # each loss reaches its own network
+                totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+            # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
+            means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
+                                           stop.received is not None, info)
+            losses, norms, skipped = dict(zip(totals, means)), {}, False
+            # each network's step: the fake score's and the head's every step, the generator's on update steps
+            steps = [("fake_score", losses["fake_score"], "fake_grad_norm")]
+            if head is not None:
+                steps.append(("gan_head", losses["gan_d"], "gan_grad_norm"))
+            if update:
+                steps.append(("generator", losses["dmd"] + losses.get("gan_g", 0.0), "gen_grad_norm"))
+            for net, loss, norm in steps:
+                grad_norm = to_item(torch.nn.utils.clip_grad_norm_(trained[net].parameters(), args.grad_clip)) \
+                    if math.isfinite(loss) else None
+                warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+                if warning:
+                    log(warning)
+                    skipped, grad_norm = True, None
+                else:
+                    optimizers[net].step()
+                    if net == "generator" and ema is not None:
+                        ema.update(position.step)
+                optimizers[net].zero_grad(set_to_none=True)
+                norms[norm] = grad_norm
+            position.end_step()
+            images_per_s = position.global_batch / (time.perf_counter() - started)
+
+            val_loss = None
+            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+                val_loss = previews.validation_loss(data.validation)
+            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss}, images_per_s, skipped,
+                          position.step_ids() if args.log_sample_ids else None)
+            if position.step % args.save_interval == 0 or position.finished or stopping:
+                started = time.perf_counter()
+                written = checkpointer.save(position, spec, **saved_objects)
+                written += write_export(export, (ema or generator).state_dict(), position, info)
+                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
+                    f"{time.perf_counter() - started:.1f} s")
+                metrics.plot(position.step)
+            if not stopping and (position.finished or args.sample_interval and
+                                 position.step % args.sample_interval == 0):
+                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+    metrics.close()
+    leave_together(info)
+    warn_truncated(components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    return position.step
 
 
 if __name__ == "__main__":

@@ -14,56 +14,67 @@ the training grammar (never a held-out pair, never a prompt the GenEval-style ev
 --pair_images times by the current model, each image scored by the shape scorer (the fraction of its prompt's
 clauses that hold), and of each prompt every two images whose scores differ made a pair, the higher scored chosen
 (online DPO). Or --pairs a .jsonl with one line {"prompt", "chosen", "rejected"} (image paths) per pair. AdamW on
-what trains; the numbers are the recipe at the end of parse_args. Writes
+what trains; the recipe's values are parse_args' set_defaults. Writes
 out/dpo_<preset>.json (with --lora_rank: out/lora/lora_<lora_name>_<preset>.safetensors), the metrics (the DPO
 loss, the implicit reward accuracy and margin, and each round's pair scores) in out/dpo_<preset>_metrics.jsonl,
 sample grids in out/samples/ (step 0: the starting weights) and the resume checkpoint (the policy, its optimizer,
 the current pairs) in checkpoints/.
 Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 """
+import math
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
-from dataset.training_data import validation_data  # noqa: E402
+from dataset.training_data import DataSettings, validation_data, warn_truncated  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
+from model.loading import meta_model  # noqa: E402
+from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora  # noqa: E402
-from model.model_sd3light import PRESETS  # noqa: E402
-from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import WeightsExport, lora_file, lora_run_name, run_name, weights_identity  # noqa: E402
+from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.weights import (  # noqa: E402
+    WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
+)
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_sampling_args, add_schedule_args, add_validation_args, non_negative_float, non_negative_int, positive_float,
     positive_int,
 )
-from trainer.checkpointer import export_record  # noqa: E402
+from trainer.checkpointer import Checkpointer  # noqa: E402
+from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.position import Position  # noqa: E402
 from trainer.preference import (  # noqa: E402
     DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt,
     refresh_pool,
 )
-from trainer.previews import Previews, grid_sampling  # noqa: E402
-from trainer.startup import open_run, start_up, start_weights_source  # noqa: E402
-from trainer.training_run import TrainingRun  # noqa: E402
+from trainer.previews import Previews  # noqa: E402
+from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.startup import StageData, load_network, log_peak, ready_data, start_weights_source  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = StageParser(__doc__)
-    run, recipe = parser.identity.add_argument, parser.recipe.add_argument
-    run("--preset", default="tiny", choices=list(PRESETS), help="the size of the starting weights")
-    run("--resolution", type=positive_int, default=32, help="image size: the side of the square")
-    run("--prediction", default=None, choices=PREDICTIONS, help="must be what the starting weights predict (leave "
-        "it unset: it is read from them)")
-    run("--pairs", default="builtin", help="'builtin' = drawn by the model and scored on the built-in world, or a "
-        ".jsonl of {\"prompt\", \"chosen\", \"rejected\"} lines (image paths)")
-    run("--lora_rank", type=non_negative_int, default=0, help="0 = tune all weights; else train adapters of this "
-        "rank (the reference: the adapters off)")
-    run("--lora_name", default="dpo", help="with --lora_rank: out/lora/lora_<name>_<preset>.safetensors")
+    identity, recipe = parser.identity.add_argument, parser.recipe.add_argument
+    identity("--preset", default="tiny", choices=list(PRESETS), help="the size of the starting weights")
+    identity("--resolution", type=positive_int, default=32, help="image size: the side of the square")
+    identity("--prediction", default=None, choices=PREDICTIONS, help="must be what the starting weights predict (leave "
+             "it unset: it is read from them)")
+    identity("--pairs", default="builtin", help="'builtin' = drawn by the model and scored on the built-in world, or a "
+             ".jsonl of {\"prompt\", \"chosen\", \"rejected\"} lines (image paths)")
+    identity("--lora_rank", type=non_negative_int, default=0, help="0 = tune all weights; else train adapters of this "
+             "rank (the reference: the adapters off)")
+    identity("--lora_name", default="dpo", help="with --lora_rank: out/lora/lora_<name>_<preset>.safetensors")
     recipe("--from_weight", default="pretrain", help="starting weights (the policy and the reference): a stage name "
            "in --out_dir ('pretrain' = pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or "
            "of a diffusers folder, or 'base' = --base's transformer")
@@ -89,125 +100,189 @@ def parse_args(argv=None):
     add_export_args(parser)
     add_validation_args(parser)  # --val_data: images, scored by the policy's flow loss
     add_plumbing_args(parser, data=None)
-    # The recipe: 200 steps of 16 pairs, AdamW at 3e-5 on all weights, 10 warmup steps and constant after, no EMA;
-    # sigmas shifted by 3, as the sampler's (the noisy end, where a layout is decided); saved every 100 steps
-    parser.set_defaults(batch_size=16, learning_rate=3e-5, warmup_steps=10, min_lr_ratio=1.0, epochs=1,
-                        max_steps=200, weight_decay=0.0, grad_clip=1.0, ema_decay=0.0, sigma_scheme="logit_normal",
-                        train_shift=3.0, save_interval=100, sample_interval=0)
+    # The recipe: a fixed number of steps of pairs, AdamW at a low rate on all weights, a short warmup and constant
+    # after, no EMA; sigmas shifted as the sampler's (the noisy end, where a layout is decided)
+    parser.set_defaults(batch_size=16, accumulation_steps=1, learning_rate=3e-5, weight_decay=0.0, grad_clip=1.0,
+                        ema_decay=0.0, seed=0, warmup_steps=10, min_lr_ratio=1.0, epochs=1, max_steps=200,
+                        sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=3.0,
+                        save_interval=100, sample_interval=0, save_dtype="bf16")
     return parser.parse_args(argv)
 
 
-def pair_rounds(args, sampling, prediction, autocast):
+def pair_rounds(args, source, autocast):
     """How --pairs builtin draws its rounds: --pair_sample_cfg and --pair_sample_shift unset are the starting
-    weights' `sampling`; the prompts the GenEval-style eval scores are never drawn."""
-    cfg = sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg
-    draw = {"steps": args.pair_sample_steps, "cfg": cfg, "shift": args.pair_sample_shift or sampling["shift"]}
+    weights' (`source`'s) sampling; the prompts the GenEval-style eval scores are never drawn."""
+    sampling = source["sampling"]
+    sampler = Sampler(args.resolution, args.pair_sample_steps,
+                      sampling["cfg"] if args.pair_sample_cfg is None else args.pair_sample_cfg,
+                      args.pair_sample_shift or sampling["shift"], source["prediction"], autocast=autocast)
     scored = tuple(spec["caption"] for spec in all_prompts(PROMPTS_PER_TASK))
-    return PairRounds(args.pair_prompts, args.pair_images, args.pair_choice, draw, args.seed, args.resolution,
-                      prediction, autocast, scored)
-
-
-def preference_data(pairs_from, rounds):
-    """start_up's data: the pairs (a pool the run fills from its own samples, for --pairs builtin, or a manifest's,
-    cached when the cache is on), their grid prompts, and the validation images."""
-    def data(settings, components, config, log):
-        if pairs_from != "builtin":
-            pairs = PreferencePairs(pairs_from, settings.resolution, log=log)
-        elif components.spec["kind"] != "builtin":
-            raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
-                            "components: with --base, pass a .jsonl of pairs")
-        else:
-            pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), settings.resolution)
-        return pairs, pairs.sample_prompts(), validation_data(settings, None, log)
-    return data
-
-
-def policy_adapters(args):
-    def adapt(model):
-        try:
-            apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
-        except ValueError as e:
-            raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    return adapt
-
-
-def reference_of(args, info, nets, autocast):
-    """The frozen reference as a context: the policy with its adapters off (--lora_rank), or the starting weights'
-    frozen copy (sharded by FSDP, not wrapped by DDP)."""
-    if args.lora_rank:
-        return adapters_off_reference(nets["model"])
-    return frozen_copy_reference(data_parallel(nets["reference"], info, args.compile, autocast))
-
-
-def dpo_export(args, name, model, components, record):
-    """What a save exports: the policy's adapters naming their base (--lora_rank), or its whole weights."""
-    if args.lora_rank:
-        return LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
-                          SAVE_DTYPES[args.save_dtype])
-    return WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
-                         args.export_pipeline, args.export_single_file)
+    return PairRounds(args.pair_prompts, args.pair_images, args.pair_choice, sampler, args.seed, scored)
 
 
 def main(argv=None):
     args = parse_args(argv)
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
+                         else None)
+    log = metrics.log
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
     # cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
-    # prediction (measured on a CPU: bf16 tuned to 0.240 held-out, fp32 to 0.272, for 6% less time)
-    info, metrics, checkpointer, precision = open_run(args, "dpo", name, cpu_bf16=False, frozen_transformer=True)
+    # prediction (measured on a CPU: BENCHMARKS.md)
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("dpo", cpu_bf16=False,
+                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
+    for line in precision.notes:
+        log(line)
     torch.manual_seed(args.seed)
 
-    # The components, the pairs (and their cache), then the policy and the frozen reference (in --frozen_dtype): a
-    # copy of the starting weights, or with adapters, the same model with them off
+    # Set-up, one large thing in memory at a time: the starting weights' record and components; the pairs (a pool
+    # the run fills from its own samples, for --pairs builtin, or a manifest's, cached when the cache is on); the
+    # estimate; the policy and the frozen reference (in --frozen_dtype): a copy of the starting weights, or with
+    # adapters, the same model with them off
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
-    rounds = pair_rounds(args, source["sampling"], source["prediction"], precision.autocast)
-    roles = {"model": "adapted"} if args.lora_rank else {"model": "trained", "reference": "frozen"}
-    start = start_up(args, info, precision, metrics.log, roles, data=preference_data(args.pairs, rounds),
-                     adapt=policy_adapters(args), record=source)
-    if start.dataset is None:  # --cache_only: the cache is built
-        return
-    model, components = start.nets["model"], start.components
-    pool = start.dataset if isinstance(start.dataset, PairPool) else None  # builtin pairs: refilled each round
-    metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
-                f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
-                f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
-    recipe = DPORecipe(rounds.prediction, args.dpo_beta, args.sigma_scheme, args.logit_mean, args.logit_std,
-                       args.train_shift, precision.autocast)
+    prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
+    rounds = pair_rounds(args, source, precision.autocast)
+    components = load_components(source, info.device, torch_dtype(precision.frozen))
+    settings = DataSettings(resolution=args.resolution, seed=args.seed, val_data=args.val_data,
+                            val_samples=args.val_samples, val_interval=args.val_interval, cache=args.cache,
+                            cache_dir=args.cache_dir, cache_only=args.cache_only, encode_batch=args.encode_batch_size)
+    if args.pairs != "builtin":
+        pairs = PreferencePairs(args.pairs, args.resolution, log=log)
+    elif components.spec["kind"] != "builtin":
+        raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
+                        "components: with --base, pass a .jsonl of pairs")
+    else:
+        pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
+    check_export(components, prediction, args.export_pipeline, args.export_single_file)
+    data = ready_data(settings, StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, log)),
+                      components, config, info, args.batch_size, log)
+    if data.dataset is None:  # --cache_only: the cache is built
+        return None
+    pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
+    adapters = 0
+    if args.lora_rank:  # the adapters' size, on a model with no memory; a bad target found now
+        probe = meta_model(config).requires_grad_(False)
+        try:
+            apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha)
+        except ValueError as e:
+            raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
+        adapters = sum(p.numel() for p in probe.parameters() if p.requires_grad)
+    plan = MemoryPlan((adapters,) if args.lora_rank else ("trained", "frozen"), "adamw", args.ema_decay > 0,
+                      args.ema_device, args.batch_size, args.resolution, bool(args.gradient_checkpointing))
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    model = load_network(source, "frozen" if args.lora_rank else "trained", precision.frozen, info)
+    if args.lora_rank:
+        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
+    reference = None if args.lora_rank else load_network(source, "frozen", precision.frozen, info)
+    for net in (model, reference):
+        if net is not None:
+            net.gradient_checkpointing = bool(args.gradient_checkpointing)
+    log_peak(info, "the weights loaded", log)
+    log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
+        f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
+        f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
+    recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
+                       logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
+                       autocast=precision.autocast)
 
     # DDP or FSDP (the reference sharded, not wrapped); AdamW on what trains: all weights, or the adapters
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    reference = reference_of(args, info, start.nets, precision.autocast)
+    reference = adapters_off_reference(model) if args.lora_rank else \
+        frozen_copy_reference(data_parallel(reference, info, args.compile, precision.autocast))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     trained = LoRAWeights(model) if args.lora_rank else model
     ema = EMA(trained, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
 
-    # A save: the resume checkpoint (the policy, its optimizer, the current pairs), then the policy (its EMA if on)
-    sampling, start_identity = grid_sampling(args), weights_identity(source, args.out_dir)
-    record = export_record(args, "dpo", recipe.prediction, sampling, model.config, components,
-                           **{"base" if args.lora_rank else "started_from": start_identity})
-    run = TrainingRun(args, info, start.dataset, metrics, num_workers=0 if pool else None)  # a pool: no stale copy
-    checkpointer.start(run, dpo_export(args, name, model, components, record), exported=ema or trained,
-                       identity={"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start_identity},
-                       resolved={"prediction": recipe.prediction, **precision.as_args(), **rounds.resolved(pool)},
-                       model=trained, optimizer=NamedOptimizerState(model, optimizer), ema=ema, pairs=pool)
-    previews = Previews(args, info, name, model, ema, components, start.prompts, sampling, recipe.prediction,
-                        precision, start.validation, metrics.log)
-    previews.first(run, metrics)  # step 0: the starting weights
+    # What a save writes: the resume checkpoint (the policy, its optimizer, the current pairs), then the policy (its
+    # EMA if on): its adapters naming their base (--lora_rank), or its whole weights
+    sampling, start = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}, \
+        weights_identity(source, args.out_dir)
+    record = {"stage": "dpo", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
+              "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+              "components": components.spec, "sampling": sampling, "base" if args.lora_rank else "started_from": start,
+              "args": vars(args)}
+    export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
+                        SAVE_DTYPES[args.save_dtype]) if args.lora_rank else \
+        WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
+                      args.export_pipeline, args.export_single_file)
+    saved_objects = {"model": trained, "optimizer": NamedOptimizerState(model, optimizer), "ema": ema, "pairs": pool,
+                     "metrics": metrics}
+    spec = RunSpec("dpo", {"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start}, vars(args),
+                   args.resume_kinds, {"prediction": prediction, **precision.as_args(), **rounds.resolved(pool)})
+    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
+    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
 
-    for batches in run.steps(train_model):
-        drawn, round_ = {}, (run.step - 1) // args.pair_refresh
-        if pool is not None and pool.round != round_:  # builtin pairs: a new round every --pair_refresh steps
-            drawn = refresh_pool(pool, round_, model, components, info, rounds, metrics.log)
-        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        for batch in batches:  # the DPO loss of each micro-batch of pairs; the gradients accumulate
-            run.backward(flow_dpo_loss(train_model, reference, components, batch, run.generator, recipe))
-        losses = run.mean_losses()
-        grad_norm = run.optimizer_step(optimizer, params, losses["dpo"], args.grad_clip, ema)
-        run.end_step()
-        metrics.write(run, lr=lr, grad_norm=grad_norm, **losses, **drawn, val_loss=previews.validate(run))
-        checkpointer.save(run)  # every --save_interval steps, at the end, and on a stop signal
-        previews.grid(run)  # at the end (and every --sample_interval steps if set)
-    checkpointer.finish(run, components)
+    # Where the run is: resumed (--from_resume), or at its start; a pool is read in this process (no stale copy)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        0 if pool else args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
+    checkpointer.restore(saved, position, **saved_objects)
+    for line in notes + [run_line("dpo", params, position, info)]:
+        log(line)
+    metrics.open(position.step, position.step + position.steps_left, saved is not None)
+    if saved is None:  # a fresh run's step 0: the starting weights' grid and validation loss, to compare with
+        log(f"sample grid: {previews.grid(0, data.prompts)}")
+        if data.validation:
+            metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
+                               "samples_seen": 0})
+
+    stopping, guard = False, NonFiniteSteps(args.save_dir)
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+        while not (position.finished or stopping):
+            started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
+            drawn, round_ = {}, (position.step - 1) // args.pair_refresh
+            if pool is not None and pool.round != round_:  # builtin pairs: a new round every --pair_refresh steps
+                drawn = refresh_pool(pool, round_, model, components, info, rounds, log)
+            lr = set_lr(optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                         args.warmup_steps, args.min_lr_ratio))
+            totals = {}
+            for micro, batch in enumerate(batches):  # the DPO loss of each micro-batch of pairs; gradients accumulate
+                sync_gradients(train_model, micro == args.accumulation_steps - 1)
+                losses = flow_dpo_loss(train_model, reference, components, batch, position.generator, recipe)
+                (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
+                totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+            # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
+            means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
+                                           stop.received is not None, info)
+            losses = dict(zip(totals, means))
+            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) \
+                if math.isfinite(losses["dpo"]) else None
+            skipped = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many in a row:
+            if skipped:                                                    # the end)
+                log(skipped)
+            else:
+                optimizer.step()
+                if ema is not None:
+                    ema.update(position.step)
+            optimizer.zero_grad(set_to_none=True)
+            position.end_step()
+            images_per_s = position.global_batch / (time.perf_counter() - started)
+
+            val_loss = None
+            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+                val_loss = previews.validation_loss(data.validation)
+            metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss},
+                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+            if position.step % args.save_interval == 0 or position.finished or stopping:
+                started = time.perf_counter()
+                written = checkpointer.save(position, spec, **saved_objects)
+                written += write_export(export, (ema or trained).state_dict(), position, info)
+                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
+                    f"{time.perf_counter() - started:.1f} s")
+                metrics.plot(position.step)
+            if not stopping and (position.finished or args.sample_interval and
+                                 position.step % args.sample_interval == 0):
+                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+    metrics.close()
+    leave_together(info)
+    warn_truncated(components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    return position.step
 
 
 if __name__ == "__main__":

@@ -6,51 +6,60 @@
     torchrun --nproc_per_node 2 trainer/train_lora.py --data my_images/ --lora_targets attention,ff
 
 It trains the pretraining loss (trainer/flow_matching.py) through adapters (--lora_rank, --lora_targets) on the
-frozen `--from_weight`, with AdamW on the adapters only; the numbers are the recipe at the end of parse_args. The
+frozen `--from_weight`, with AdamW on the adapters only; the recipe's values are parse_args' set_defaults. The
 demo's data (`--data builtin:white`) is built-in images whose objects are all white, a colour (and a word) the
 pretrained model never saw, trained alongside ordinary ones (`--prior_data`) so that what the model drew before
-changes less. The adapters
-go to out/lora/lora_<name>_<preset>.safetensors in diffusers' LoRA format (rank, alpha and targets in its
-metadata, plus which base weights they were trained on), sample grids to out/samples/ (step 0 shows the base
-model), the resume checkpoint (only the adapters, their optimizer and EMA) to
+changes less. The adapters go to out/lora/lora_<name>_<preset>.safetensors in diffusers' LoRA format (rank, alpha
+and targets in its metadata, plus which base weights they were trained on), sample grids to out/samples/ (step 0
+shows the base model), the resume checkpoint (only the adapters, their optimizer and EMA) to
 checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 
     python eval/eval_sample.py --lora demo --prompt "a large white star in the center"
 """
+import math
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import training_dataset  # noqa: E402
+from dataset.image_folder import CaptionOptions  # noqa: E402
+from dataset.training_data import DataSettings, training_dataset, warn_truncated  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
+from model.loading import meta_model  # noqa: E402
+from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers  # noqa: E402
-from model.model_sd3light import PRESETS  # noqa: E402
-from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import lora_file, lora_run_name, weights_identity  # noqa: E402
+from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_sampling_args,
     add_schedule_args, add_validation_args, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import export_record  # noqa: E402
+from trainer.checkpointer import Checkpointer  # noqa: E402
+from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.flow_matching import FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
-from trainer.previews import Previews, grid_sampling  # noqa: E402
-from trainer.startup import default_data, open_run, start_up  # noqa: E402
-from trainer.training_run import TrainingRun  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.position import Position  # noqa: E402
+from trainer.previews import Previews  # noqa: E402
+from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
     parser = StageParser(__doc__)
-    run, recipe = parser.identity, parser.recipe
-    run.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the size of the base weights")
-    run.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
-                     "square, or the area of the aspect-ratio buckets")
-    run.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the base weights "
-                     "predict (leave it unset: it is read from them)")
-    run.add_argument("--lora_name", default="demo", help="names the file: out/lora/lora_<name>_<preset>.safetensors")
+    identity, recipe = parser.identity, parser.recipe
+    identity.add_argument("--preset", default="tiny", choices=list(PRESETS), help="the size of the base weights")
+    identity.add_argument("--resolution", type=positive_int, default=32, help="training image size: the side of the "
+                          "square, or the area of the aspect-ratio buckets")
+    identity.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the base weights "
+                          "predict (leave it unset: it is read from them)")
+    identity.add_argument("--lora_name", default="demo", help="names the file: out/lora/lora_<name>_<preset>.safetensors")
     recipe.add_argument("--from_weight", default="pretrain", help="base weights: a stage name in --out_dir "
                         "('pretrain' = pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or "
                         "of a diffusers folder, or 'base' = --base's transformer")
@@ -71,62 +80,71 @@ def parse_args(argv=None):
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
     add_plumbing_args(parser, data="builtin:white")
-    # The recipe: 30 epochs of the demo's 40 + 120 prior samples in steps of 16 (300 steps), AdamW at 2e-3 (adapters
-    # take a high rate) with 10 warmup steps and a cosine decay to a tenth, no EMA (over so few steps) and no caption
-    # dropout; fp32 files (adapters are small, and diffusers applies them exactly), saved every 100 steps, a grid at
-    # the end only
-    parser.set_defaults(num_samples=40, batch_size=16, learning_rate=2e-3, warmup_steps=10, min_lr_ratio=0.1,
-                        epochs=30, max_steps=0, weight_decay=0.0, grad_clip=1.0, ema_decay=0.0,
-                        sigma_scheme="logit_normal", train_shift=1.0, loss="mse", weighting="none",
-                        caption_dropout=0.0, save_dtype="fp32", sample_interval=0, save_interval=100)
+    # The recipe: many epochs of the small demo data with its prior data, AdamW at a high rate (adapters take one)
+    # with a short warmup and a cosine decay, no EMA (over so few steps) and no caption dropout; fp32 files (adapters
+    # are small, and diffusers applies them exactly), a grid at the end only
+    parser.set_defaults(num_samples=40, batch_size=16, accumulation_steps=1, learning_rate=2e-3, weight_decay=0.0,
+                        grad_clip=1.0, ema_decay=0.0, seed=0, warmup_steps=10, min_lr_ratio=0.1, epochs=30,
+                        max_steps=0, sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=1.0,
+                        loss="mse", weighting="none", caption_dropout=0.0, save_interval=100, sample_interval=0,
+                        save_dtype="fp32")
     return parser.parse_args(argv)
-
-
-def lora_data(args):
-    """start_up's data: --data with --prior_data alongside (auto: the built-in shapes for built-in --data, none
-    for yours)."""
-    prior = args.prior_data
-    if prior == "auto":
-        prior = "builtin" if args.data.startswith("builtin") else "none"
-
-    def prior_data(settings, components, config, log):
-        if prior == "none":
-            return []
-        prior_dataset = training_dataset(settings, components, config.patch_size, log, data=prior,
-                                         num_samples=args.prior_samples)
-        log(f"prior preservation: the {len(prior_dataset)} samples of {prior} train alongside {args.data}")
-        return [prior_dataset]
-
-    return lambda settings, components, config, log: default_data(settings, components, config, log, prior_data)
-
-
-def lora_adapters(args):
-    """What start_up puts on the frozen base: adapters on the targeted layers (a bad target is one line)."""
-    def adapt(model):
-        try:
-            apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-        except ValueError as e:
-            raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    return adapt
 
 
 def main(argv=None):
     args = parse_args(argv)
     name = lora_run_name(args.lora_name, args.preset)  # a name that cannot name a file is a one-line error
-    info, metrics, checkpointer, precision = open_run(args, "lora", name, frozen_transformer=True)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
+                         else None)
+    log = metrics.log
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info, bool(args.base),
+                              resumed_dtype(saved, info.world_size))
+    for line in precision.notes:
+        log(line)
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
-    # The components, the data with the prior data alongside (and its cache), then the frozen base weights (in
+    # Set-up, one large thing in memory at a time: the base weights' record and components; the data with the prior
+    # data alongside, and its cache (the text encoders then freed); the estimate; the frozen base weights (in
     # --frozen_dtype) with adapters on the targeted layers
-    start = start_up(args, info, precision, metrics.log, {"model": "adapted"}, data=lora_data(args),
-                     adapt=lora_adapters(args))
-    if start.dataset is None:  # --cache_only: the cache is built
-        return
-    model, components, base = start.nets["model"], start.components, start.record
-    metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
-                f"{len(lora_layers(model))} layers of {base['manifest']} (step {base['step']}, frozen in "
-                f"{precision.frozen})")
-    recipe = FlowRecipe.of(args, start.prediction, precision.autocast)
+    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+    prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
+    components = load_components(source, info.device, torch_dtype(precision.frozen))
+    settings = DataSettings(
+        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
+        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
+        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
+        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
+        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
+        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
+    prior_data = args.prior_data if args.prior_data != "auto" else "builtin" if args.data.startswith("builtin") \
+        else "none"
+    prior = None
+    if prior_data != "none":
+        prior = training_dataset(settings, components, config.patch_size, log, data=prior_data,
+                                 num_samples=args.prior_samples)
+        log(f"prior preservation: the {len(prior)} samples of {prior_data} train alongside {args.data}")
+    data = stage_data(settings, components, config, info, args.batch_size, log, prior)
+    if data.dataset is None:  # --cache_only: the cache is built
+        return None
+    probe = meta_model(config).requires_grad_(False)  # no memory: the adapters' size, and a bad target found now
+    try:
+        apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    except ValueError as e:
+        raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
+    adapter_count = sum(p.numel() for p in probe.parameters() if p.requires_grad)
+    plan = MemoryPlan((adapter_count,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size,
+                      args.resolution, bool(args.gradient_checkpointing))
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    model = load_network(source, "frozen", precision.frozen, info)
+    apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    log_peak(info, "the weights loaded", log)
+    log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on {len(lora_layers(model))} layers "
+        f"of {source['manifest']} (step {source['step']}, frozen in {precision.frozen})")
 
     # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW; the
     # resume checkpoint and the EMA hold them alone
@@ -134,33 +152,90 @@ def main(argv=None):
     adapters, params = LoRAWeights(model), [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     ema = EMA(adapters, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
+                        logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
+                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
 
-    # A save: the resume checkpoint, then the adapters (their EMA if on) in diffusers' LoRA format, naming the base
-    base_identity, sampling = weights_identity(base, args.out_dir), grid_sampling(args)
-    record = export_record(args, "lora", start.prediction, sampling, model.config, components, base=base_identity)
-    export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
-                        SAVE_DTYPES[args.save_dtype])
-    run = TrainingRun(args, info, start.dataset, metrics)
-    checkpointer.start(run, export, exported=ema or adapters, identity={"kind": "lora", "base": base_identity},
-                       resolved={"prediction": start.prediction, **precision.as_args()}, model=adapters,
-                       optimizer=NamedOptimizerState(model, optimizer), ema=ema)
-    previews = Previews(args, info, name, model, ema, components, start.prompts, sampling, start.prediction,
-                        precision, start.validation, metrics.log)
-    previews.first(run, metrics)  # step 0: the base model
+    # What a save writes: the resume checkpoint, then the adapters (their EMA if on) in diffusers' LoRA format,
+    # naming the base
+    sampling, base = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}, \
+        weights_identity(source, args.out_dir)
+    export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, {
+        "stage": "lora", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
+        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+        "components": components.spec, "sampling": sampling, "base": base, "args": vars(args)},
+        SAVE_DTYPES[args.save_dtype])
+    saved_objects = {"model": adapters, "optimizer": NamedOptimizerState(model, optimizer), "ema": ema,
+                     "metrics": metrics}
+    spec = RunSpec("lora", {"kind": "lora", "base": base}, vars(args), args.resume_kinds,
+                   {"prediction": prediction, **precision.as_args()})
+    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
+    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
 
-    for batches in run.steps(train_model):
-        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        for batch in batches:  # the flow loss of each micro-batch, through the adapters; the gradients accumulate
-            run.backward(flow_matching_loss(train_model, components, batch, run.generator, recipe))
-        loss = run.mean_losses()["loss"]
-        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)  # clipped; skipped if not finite
-        run.end_step()
-        metrics.write(run, loss=loss, lr=lr, grad_norm=grad_norm, val_loss=previews.validate(run))
-        checkpointer.save(run)  # every --save_interval steps, at the end, and on a stop signal
-        previews.grid(run)  # at the end (and every --sample_interval steps if set)
-    checkpointer.finish(run, components)
-    if run.finished:
-        metrics.log(f"sample with the adapter: python eval/eval_sample.py --lora {args.lora_name} --prompt \"...\"")
+    # Where the run is: resumed (--from_resume), or at its start
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
+    checkpointer.restore(saved, position, **saved_objects)
+    for line in notes + [run_line("lora", params, position, info)]:
+        log(line)
+    metrics.open(position.step, position.step + position.steps_left, saved is not None)
+    if saved is None:  # a fresh run's step 0: the starting weights' grid and validation loss, to compare with
+        log(f"sample grid: {previews.grid(0, data.prompts)}")
+        if data.validation:
+            metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
+                               "samples_seen": 0})
+
+    stopping, guard = False, NonFiniteSteps(args.save_dir)
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+        while not (position.finished or stopping):
+            started = time.perf_counter()
+            lr = set_lr(optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                         args.warmup_steps, args.min_lr_ratio))
+            total = 0.0
+            for micro, batch in enumerate(position.next_step()):  # the step's micro-batches; gradients accumulate
+                sync_gradients(train_model, micro == args.accumulation_steps - 1)
+                loss = flow_matching_loss(train_model, components, batch, position.generator, recipe)
+                (loss / args.accumulation_steps).backward()
+                total += loss.item()
+            # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
+            (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
+            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
+                else None
+            skipped = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+            if skipped:
+                log(skipped)
+            else:
+                optimizer.step()
+                if ema is not None:
+                    ema.update(position.step)
+            optimizer.zero_grad(set_to_none=True)
+            position.end_step()
+            images_per_s = position.global_batch / (time.perf_counter() - started)
+
+            val_loss = None
+            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+                val_loss = previews.validation_loss(data.validation)
+            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
+                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+            if position.step % args.save_interval == 0 or position.finished or stopping:
+                started = time.perf_counter()
+                written = checkpointer.save(position, spec, **saved_objects)
+                written += write_export(export, (ema or adapters).state_dict(), position, info)
+                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
+                    f"{time.perf_counter() - started:.1f} s")
+                metrics.plot(position.step)
+            if not stopping and (position.finished or args.sample_interval and
+                                 position.step % args.sample_interval == 0):
+                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+    metrics.close()
+    leave_together(info)
+    warn_truncated(components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    if position.finished:
+        log(f"sample with the adapter: python eval/eval_sample.py --lora {args.lora_name} --prompt \"...\"")
+    return position.step
 
 
 if __name__ == "__main__":

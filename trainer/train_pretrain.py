@@ -6,34 +6,46 @@
     python trainer/train_pretrain.py --base /models/sd3-medium --preset base --data my_images/ --resolution 256
 
 It trains the flow-matching loss (trainer/flow_matching.py) with AdamW, a warmup and a cosine decay, and keeps an
-EMA of the weights; the numbers are the recipe at the end of parse_args. Writes out/pretrain_<preset>.json
-and the files it names (weights for sampling and fine-tuning; a v-prediction model also as a diffusers transformer
-in out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in
-out/pretrain_<preset>_metrics.jsonl, and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its
-file). Stop with SIGTERM or Ctrl-C; continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
+EMA of the weights; the recipe's values are parse_args' set_defaults. Writes out/pretrain_<preset>.json and the
+files it names (weights for sampling and fine-tuning; a v-prediction model also as a diffusers transformer in
+out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl,
+and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its file). Stop with SIGTERM or Ctrl-C;
+continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 """
+import math
 import os
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.image_folder import CaptionOptions  # noqa: E402
+from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
+from dataset.training_data import DataSettings, warn_truncated  # noqa: E402
+from model.components import new_components, transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.model_sd3light import PRESETS, SD3Light  # noqa: E402
-from model.precision import import_torchao  # noqa: E402
-from model.rectified_flow import PREDICTIONS  # noqa: E402
-from model.weights import WeightsExport, run_name  # noqa: E402
+from model.loading import meta_model  # noqa: E402
+from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
+from model.precision import StagePrecision, import_torchao, run_precision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.weights import WeightsExport, check_export, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
-from trainer.checkpointer import export_record  # noqa: E402
+from trainer.checkpointer import Checkpointer  # noqa: E402
+from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.flow_matching import FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel  # noqa: E402
-from trainer.previews import Previews, grid_sampling  # noqa: E402
-from trainer.startup import open_run, start_up  # noqa: E402
-from trainer.training_run import TrainingRun  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.position import Position  # noqa: E402
+from trainer.previews import Previews  # noqa: E402
+from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.startup import log_peak, stage_data  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -58,18 +70,20 @@ def parse_args(argv=None):
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
     add_plumbing_args(parser)
-    # The recipe: 4 epochs of the 20,000 built-in samples in steps of 16, AdamW at 1e-3 with 100 warmup steps and a
-    # cosine decay to a tenth, an EMA of 0.995, logit-normal sigmas, 10% caption dropout
-    parser.set_defaults(num_samples=20000, batch_size=16, learning_rate=1e-3, warmup_steps=100, min_lr_ratio=0.1,
-                        epochs=4, max_steps=0, weight_decay=0.0, grad_clip=1.0, ema_decay=0.995,
-                        sigma_scheme="logit_normal", train_shift=1.0, loss="mse", weighting="none",
-                        caption_dropout=0.1, save_interval=200, sample_interval=400)
+    # The recipe: a few epochs of the built-in samples, AdamW with a warmup and a cosine decay, an EMA, logit-normal
+    # sigmas, caption dropout (for classifier-free guidance)
+    parser.set_defaults(num_samples=20000, batch_size=16, accumulation_steps=1, learning_rate=1e-3, weight_decay=0.0,
+                        grad_clip=1.0, ema_decay=0.995, seed=0, warmup_steps=100, min_lr_ratio=0.1, epochs=4,
+                        max_steps=0, sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=1.0,
+                        loss="mse", weighting="none", caption_dropout=0.1, save_interval=200, sample_interval=400,
+                        save_dtype="bf16")
     return parser.parse_args(argv)
 
 
-def make_optimizer(model, args):
-    """AdamW (fused: one kernel for all parameters, on a CPU too); or Muon for the blocks' matrices (orthogonalised)
-    with AdamW for embeddings, norms and biases; or 8-bit AdamW (2 bytes of state a parameter instead of 8)."""
+def make_optimizers(model, args):
+    """[AdamW] (fused: one kernel for all parameters, on a CPU too); or [Muon for the blocks' matrices
+    (orthogonalised), AdamW for embeddings, norms and biases]; or [8-bit AdamW] (2 bytes of state a parameter
+    instead of 8)."""
     params = list(model.parameters())
     if args.optimizer == "muon":
         hidden, rest = model.block_matrices_and_rest()
@@ -77,54 +91,132 @@ def make_optimizer(model, args):
                                  adjust_lr_fn="match_rms_adamw"),
                 torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
     if args.optimizer == "adamw8bit":
-        return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
-                                                                       weight_decay=args.weight_decay)
-    return torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+        return [import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
+                                                                        weight_decay=args.weight_decay)]
+    return [torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
 
 
 def main(argv=None):
     args = parse_args(argv)
     name, prediction = run_name("pretrain", args.preset), args.prediction or ("v" if args.base else "x")
-    info, metrics, checkpointer, precision = open_run(args, "pretrain", name)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
+                         else None)
+    log = metrics.log
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("pretrain"), info, bool(args.base),
+                              resumed_dtype(saved, info.world_size))
+    for line in precision.notes:
+        log(line)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
-    # The frozen components, the data (and its cache); a fresh transformer: the preset's size on the components'
-    # widths
-    start = start_up(args, info, precision, metrics.log, {"model": "trained"}, fresh=SD3Light, prediction=prediction)
-    if start.dataset is None:  # --cache_only: the cache is built
+    # Set-up, one large thing in memory at a time: the frozen components; the data and its cache (the text encoders
+    # then freed); the estimate; a fresh transformer of the preset's size on the components' widths
+    components = new_components(args.base, args.t5_max_length, GRAMMAR_WORDS, info.device,
+                                torch_dtype(precision.frozen)).to(info.device)
+    config = preset_config(args.preset, **transformer_widths(components))
+    check_export(components, prediction, args.export_pipeline, args.export_single_file)
+    settings = DataSettings(
+        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
+        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
+        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
+        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
+        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
+        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
+    data = stage_data(settings, components, config, info, args.batch_size, log)
+    if data.dataset is None:  # --cache_only: the cache is built
         return 0
-    model, components = start.nets["model"], start.components
-    recipe = FlowRecipe.of(args, prediction, precision.autocast)
+    plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
+                      args.resolution, bool(args.gradient_checkpointing))
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    # rank 0 draws the weights (the other ranks of a sharded run hold none: rank 0's fill their shards)
+    model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.device)
+    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    log_peak(info, "the weights loaded", log)
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains; an EMA follows them
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    params, optimizer = list(model.parameters()), make_optimizer(model, args)
+    params, optimizers = list(model.parameters()), make_optimizers(model, args)
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
+                        logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
+                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
 
-    # A save: the resume checkpoint (model, optimizer, EMA, data position), then the EMA weights (else the raw ones)
-    # in --save_dtype, and for v-prediction a diffusers folder
-    sampling = grid_sampling(args)
-    record = export_record(args, "pretrain", prediction, sampling, start.config, components)
-    export = WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
-                           args.export_pipeline, args.export_single_file)
-    run = TrainingRun(args, info, start.dataset, metrics)
-    checkpointer.start(run, export, exported=ema or model, resolved={"prediction": prediction, **precision.as_args()},
-                       model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)
-    previews = Previews(args, info, name, model, ema, components, start.prompts, sampling, prediction, precision,
-                        start.validation, metrics.log)
+    # What a save writes: the resume checkpoint (the position, model, optimizer, EMA), then the EMA weights (else the
+    # raw ones) in --save_dtype, and for v-prediction a diffusers folder
+    sampling = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
+    export = WeightsExport(os.path.join(args.out_dir, name), model, components, {
+        "stage": "pretrain", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
+        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+        "components": components.spec, "sampling": sampling, "args": vars(args)},
+        SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
+    saved_objects = {"model": model, "optimizer": NamedOptimizerState(model, optimizers), "ema": ema, "metrics": metrics}
+    spec = RunSpec("pretrain", {"kind": "full"}, vars(args), args.resume_kinds,
+                   {"prediction": prediction, **precision.as_args()})
+    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
+    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
 
-    for batches in run.steps(train_model):
-        lr = run.schedule_lr(optimizer, args.learning_rate, args.warmup_steps, args.min_lr_ratio)
-        for batch in batches:  # the flow loss of each micro-batch; the gradients accumulate
-            run.backward(flow_matching_loss(train_model, components, batch, run.generator, recipe))
-        loss = run.mean_losses()["loss"]
-        grad_norm = run.optimizer_step(optimizer, params, loss, args.grad_clip, ema)  # clipped; skipped if not finite
-        run.end_step()
-        metrics.write(run, loss=loss, lr=lr, grad_norm=grad_norm, val_loss=previews.validate(run))
-        checkpointer.save(run)  # every --save_interval steps, at the end, and on a stop signal
-        previews.grid(run)  # every --sample_interval steps and at the end
-    checkpointer.finish(run, components)
-    return run.step
+    # Where the run is: resumed (--from_resume), or at its start
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
+    checkpointer.restore(saved, position, **saved_objects)
+    for line in notes + [run_line("pretrain", params, position, info)]:
+        log(line)
+    metrics.open(position.step, position.step + position.steps_left, saved is not None)
+
+    stopping, guard = False, NonFiniteSteps(args.save_dir)
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+        while not (position.finished or stopping):
+            started = time.perf_counter()
+            lr = set_lr(optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                         args.warmup_steps, args.min_lr_ratio))
+            total = 0.0
+            for micro, batch in enumerate(position.next_step()):  # the step's micro-batches; gradients accumulate
+                sync_gradients(train_model, micro == args.accumulation_steps - 1)
+                loss = flow_matching_loss(train_model, components, batch, position.generator, recipe)
+                (loss / args.accumulation_steps).backward()
+                total += loss.item()
+            # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
+            (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
+            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
+                else None
+            skipped = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+            if skipped:
+                log(skipped)
+            else:
+                for optimizer in optimizers:
+                    optimizer.step()
+                if ema is not None:
+                    ema.update(position.step)
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            position.end_step()
+            images_per_s = position.global_batch / (time.perf_counter() - started)
+
+            val_loss = None
+            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+                val_loss = previews.validation_loss(data.validation)
+            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
+                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+            if position.step % args.save_interval == 0 or position.finished or stopping:
+                started = time.perf_counter()
+                written = checkpointer.save(position, spec, **saved_objects)
+                written += write_export(export, (ema or model).state_dict(), position, info)
+                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
+                    f"{time.perf_counter() - started:.1f} s")
+                metrics.plot(position.step)
+            if not stopping and (position.finished or args.sample_interval and
+                                 position.step % args.sample_interval == 0):
+                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+    metrics.close()
+    leave_together(info)
+    warn_truncated(components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    return position.step
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
-"""The small mechanics every training stage composes: stop signals, the learning-rate schedule, random states and
-nested state trees. Their neighbours, each a module with one job: trainer/distributed.py (processes), ema.py,
-resume.py (finding and checking a resume), training_run.py (the data position and the step's helpers),
-checkpointer.py (saves and resume), metrics.py (the metrics file, progress bar, wandb), previews.py (sample grids,
-validation). Nothing here computes a loss or builds an optimizer: the stage script does both.
+"""The small mechanics every training stage's loop calls, each doing one thing: stop signals, the learning rate at a
+step, the skip of a step that is not finite, random states and nested state trees. Their neighbours, each a
+module with one job: trainer/distributed.py (processes), position.py (where a run is in its data), ema.py,
+checkpointer.py (saves and resume), resume.py (whether a checkpoint fits the run), metrics.py (the metrics file,
+progress bar, wandb), previews.py (sample grids, validation). Nothing here computes a loss, builds an optimizer
+or steps one: the stage script does.
 """
 import math
 import signal
 import threading
 
 import torch
+
+from model.errors import UserError
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -43,6 +46,23 @@ def ignore_sigint(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def run_line(stage, parameters, position, info):
+    """One line: what trains (`parameters`, each counted once), on how much data, in how many steps, on how many
+    processes."""
+    count = sum({id(p): p.numel() for p in parameters}.values())
+    how = f"FSDP over mesh {tuple(info.mesh.shape)}" if info.sharded else \
+        "DDP" if info.world_size > 1 else "one process"
+    return (f"{stage}: {count / 1e6:.1f}M trainable parameters, {len(position.dataset)} samples, global batch "
+            f"{position.global_batch}, {position.step + position.steps_left} steps, {info.world_size} process(es) "
+            f"on {info.device.type} ({how})")
+
+
+def stop_message(received, step):
+    """The last line of a run a stop signal ended (`received`: this process's signal, None if another's)."""
+    what = signal.Signals(received).name if received else "a stop signal on another rank"
+    return f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Schedule, random states, state trees
 
@@ -53,6 +73,39 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio=0.1):
         return base_lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def set_lr(optimizer, lr):
+    """Set the learning rate of `optimizer` (or of each of a list) -> `lr`."""
+    for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+        for group in opt.param_groups:
+            if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+    return lr
+
+
+class NonFiniteSteps:
+    """The guard against a step that is not finite: a loss or gradient norm that is NaN or infinite (the same on
+    every rank: both are global) skips the update; `limit` in a row end the run, naming the folder of the last
+    good save."""
+
+    def __init__(self, save_dir, limit=10):
+        self.save_dir, self.limit, self.in_a_row = save_dir, limit, 0
+
+    def skip(self, loss, grad_norm, step):
+        """-> None when the update may go on (`grad_norm` None: not computed, the loss was not finite), else the
+        warning to log."""
+        if grad_norm is not None and math.isfinite(loss) and math.isfinite(grad_norm):
+            self.in_a_row = 0
+            return None
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise UserError(f"loss was not finite for {self.in_a_row} steps in a row (last good save in "
+                            f"{self.save_dir}): lower --learning_rate or check the data")
+        what = f"loss is {loss}" if grad_norm is None else f"gradient norm is {grad_norm}"
+        return f"warning: {what} at step {step}; update skipped ({self.in_a_row} in a row)"
 
 
 def rng_state(generator, device):
