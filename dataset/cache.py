@@ -19,6 +19,7 @@ import math
 import operator
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -60,16 +61,34 @@ def cache_size_bytes(folder):
                if SHARD_PATTERN.fullmatch(name))
 
 
-def build_cache(folder, fingerprint, num_samples, encode, rank=0, world_size=1, barrier=None, shard_size=256,
-                log=print, progress=True, encode_batch=16):
-    """Make `folder` hold encode([i])[0] for every i in range(num_samples), reusing what is already there; every
-    rank calls it with the same arguments and its own rank. -> a FeatureCache of the folder.
+@dataclass(frozen=True)
+class CacheLayout:
+    """How a cache is written: samples a shard, samples an encode call takes at most (all from one shard), and
+    whether rank 0 shows a progress bar."""
+    shard_size: int = 256
+    encode_batch: int = 16
+    progress: bool = True
 
-    encode(indices) -> one dict {key: tensor} per index, in order; it is called on at most `encode_batch` indices
-    at a time, all from one shard. `barrier` (e.g. torch.distributed.barrier) is needed when world_size > 1; the
-    folder must then be on a filesystem all ranks share. Only rank 0 logs and shows progress.
+
+@dataclass(frozen=True)
+class Processes:
+    """The processes that build a cache together: this one's rank, how many they are, and the barrier they wait at
+    (e.g. torch.distributed.barrier; needed when they are more than one, and the folder must then be on a
+    filesystem they all share)."""
+    rank: int = 0
+    world_size: int = 1
+    barrier: object = None
+
+
+def build_cache(folder, fingerprint, num_samples, encode, processes=Processes(), layout=CacheLayout(), log=print):
+    """Make `folder` hold encode([i])[0] for every i in range(num_samples), reusing what is already there; every
+    process calls it with the same arguments and its own rank. -> a FeatureCache of the folder.
+
+    encode(indices) -> one dict {key: tensor} per index, in order; it is called on at most layout.encode_batch
+    indices at a time, all from one shard. Only rank 0 logs and shows progress.
     """
-    folder = os.fspath(folder)
+    folder, rank, world_size, barrier = os.fspath(folder), processes.rank, processes.world_size, processes.barrier
+    shard_size, encode_batch = layout.shard_size, layout.encode_batch
     fingerprint = _normalized(fingerprint)
     for name, value, least in (("num_samples", num_samples, 1), ("shard_size", shard_size, 1),
                                ("encode_batch", encode_batch, 1), ("world_size", world_size, 1)):
@@ -92,8 +111,7 @@ def build_cache(folder, fingerprint, num_samples, encode, rank=0, world_size=1, 
         if plan.get("fingerprint") != fingerprint or plan.get("num_samples") != num_samples:
             raise CacheError(f"rank {rank} was given another fingerprint or sample count than rank 0 for the cache "
                              f"{folder}: every rank must describe the same features")
-        _build_shards(folder, fingerprint, num_samples, plan["shard_size"], encode, rank, world_size, encode_batch,
-                      progress and rank == 0)
+        _build_shards(folder, fingerprint, num_samples, plan["shard_size"], encode, processes, layout)
     wait()
     if rank == 0 and plan is not None:
         _commit(folder, fingerprint, num_samples, plan["shard_size"])
@@ -310,9 +328,10 @@ def _keep_valid_shards(folder, fingerprint, num_samples, shard_size, say):
         say(f"cache {folder}: encoding {num_samples} samples into {num_shards} shards")
 
 
-def _build_shards(folder, fingerprint, num_samples, shard_size, encode, rank, world_size, encode_batch, progress):
+def _build_shards(folder, fingerprint, num_samples, shard_size, encode, processes, layout):
     """Encode and write this rank's missing shards."""
-    num_shards = math.ceil(num_samples / shard_size)
+    rank, world_size, encode_batch = processes.rank, processes.world_size, layout.encode_batch
+    progress, num_shards = layout.progress and rank == 0, math.ceil(num_samples / shard_size)
     mine = [k for k in range(rank, num_shards, world_size) if not os.path.exists(os.path.join(folder, shard_name(k)))]
     total = sum(_shard_range(k, num_samples, shard_size)[1] for k in mine)
     metadata = {"fingerprint_sha256": json_digest(fingerprint), "format": str(FORMAT)}

@@ -440,13 +440,13 @@ def load_mask(path, size):
     return torch.from_numpy(np.asarray(cover_and_crop(gray, tuple(size)), dtype=np.float32) / 255.0)[None]
 
 
-def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0, buckets=None, captions=None):
+def build_dataset(data, resolution, split="train", log=print, num_samples=None, seed=0, **user):
     """'builtin' -> ShapesDataset(split, ...), 'builtin:white' the same in white only (or other colours, comma
     separated); a folder or .jsonl -> ImageCaptionDataset (split, num_samples and seed only apply to the built-in
-    data; buckets, a list of (width, height) sizes, and captions, CaptionOptions, only to user data). Anything
-    else raises DatasetError."""
+    data; `user`, ImageCaptionDataset's buckets (a list of (width, height) sizes) and captions (CaptionOptions),
+    only to user data). Anything else raises DatasetError."""
     if data == "builtin" or data.startswith("builtin:"):
-        if buckets is not None:
+        if user.get("buckets") is not None:
             raise DatasetError(f"--data {data}: aspect-ratio buckets are for user images; the built-in shapes are "
                                "all square, so leave buckets off")
         colors = [c for c in data.partition(":")[2].split(",") if c] or None
@@ -456,4 +456,4 @@ def build_dataset(data, resolution, split="train", log=print, num_samples=None, 
             raise DatasetError(f"--data {data}: {e}") from None
         log(f"dataset {data}: {len(dataset)} {split} shapes samples at {resolution}px (seed {seed})")
         return dataset
-    return ImageCaptionDataset(data, resolution, log=log, buckets=buckets, captions=captions)
+    return ImageCaptionDataset(data, resolution, log=log, **user)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dataset.buckets import bucket_layout, bucket_sizes
-from dataset.cache import build_cache
+from dataset.cache import CacheLayout, Processes, build_cache
 from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset, build_dataset, read_prompt_file
 from dataset.preference_pairs import encode_pairs
 from dataset.samples import EpochSamples, count_short_of
@@ -256,9 +256,9 @@ def cached_dataset(settings, dataset, components, info, log):
         return features
 
     folder = cache_folder(settings.cache_dir, samples, fingerprint, components)
-    cache = build_cache(folder, fingerprint, len(dataset), encode, rank=info.rank, world_size=info.world_size,
-                        barrier=dist.barrier if info.world_size > 1 else None, encode_batch=settings.encode_batch,
-                        log=log)
+    processes = Processes(info.rank, info.world_size, dist.barrier if info.world_size > 1 else None)
+    cache = build_cache(folder, fingerprint, len(dataset), encode, processes,
+                        CacheLayout(encode_batch=settings.encode_batch), log)
     warn_truncated(components, info, log)
     cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, settings.resolution)  # the images' sizes, as batched
     return samples.reading(cache) if samples is not dataset else cache

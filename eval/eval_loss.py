@@ -56,10 +56,9 @@ def heldout_losses(model, batches, prediction, seed=0, autocast=None):
     return {s: total / n for s, total in totals.items()}
 
 
-def quantile_losses(model, components, dataset, num_samples, batch_size, device, prediction, seed=0):
-    """{sigma: mean MSE of the velocity} over the first num_samples items of `dataset`."""
-    return heldout_losses(model, encode_heldout(components, dataset, num_samples, batch_size, device), prediction,
-                          seed)
+def quantile_losses(model, components, dataset, num_samples, batch_size, device, prediction):
+    """{sigma: mean MSE of the velocity} over the first num_samples items of `dataset`, with the noise of seed 0."""
+    return heldout_losses(model, encode_heldout(components, dataset, num_samples, batch_size, device), prediction)
 
 
 def main():
@@ -81,8 +80,8 @@ def main():
     captions = caption_options(record.get("args", {}))
     dataset = build_dataset(args.data, record["resolution"], split=args.split, num_samples=args.num_samples,
                             seed=args.seed, log=lambda msg: None, captions=captions)
-    losses = quantile_losses(model, components, dataset, args.num_samples, args.batch_size, device,
-                             record["prediction"], args.seed)
+    batches = encode_heldout(components, dataset, args.num_samples, args.batch_size, device)
+    losses = heldout_losses(model, batches, record["prediction"], args.seed)
     mean = sum(losses.values()) / len(losses)
     name = run_name(record["stage"], record["preset"])
     print(f"{name} step {record['step']}, {min(args.num_samples, len(dataset))} samples of {args.data} "

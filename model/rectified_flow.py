@@ -17,14 +17,15 @@ def shift_sigmas(s, shift):
 
 
 def sample_sigmas(n, scheme="logit_normal", logit_mean=0.0, logit_std=1.0, mode_scale=1.29, shift=1.0,
-                  generator=None, device="cpu"):
-    """Training sigmas in (0, 1): logit-normal (SD3's default), uniform, or 'mode' (mode_scale)."""
+                  generator=None):
+    """Training sigmas in (0, 1), on the CPU (the generator's device): logit-normal (SD3's default), uniform, or
+    'mode' (mode_scale)."""
     if scheme == "logit_normal":
-        s = torch.sigmoid(torch.randn(n, generator=generator, device=device) * logit_std + logit_mean)
+        s = torch.sigmoid(torch.randn(n, generator=generator) * logit_std + logit_mean)
     elif scheme == "uniform":
-        s = torch.rand(n, generator=generator, device=device)
+        s = torch.rand(n, generator=generator)
     elif scheme == "mode":
-        u = torch.rand(n, generator=generator, device=device)
+        u = torch.rand(n, generator=generator)
         s = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     else:
         raise ValueError(f"unknown sigma scheme {scheme!r}: use logit_normal, uniform or mode")
@@ -63,7 +64,10 @@ def mask_to_latents(mask, size):
     return torch.nn.functional.adaptive_avg_pool2d(mask.float(), tuple(size))
 
 
-def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", huber_c=0.03, mask=None):
+HUBER_C = 0.03  # the pseudo-Huber loss's width: quadratic below it, linear above
+
+
+def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
     """Per-batch loss in fp32. weighting: none | sigma_sqrt (s^-2) | cosmap (2 / (pi (1 - 2s + 2s^2))). `mask`
     [B, 1, H, W] (any size: averaged to the latents'): each sample's loss is its mask-weighted mean, so a zero
     region gives no loss and no gradient."""
@@ -72,7 +76,7 @@ def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", huber_c=0.0
     if loss_type == "mse":
         error = diff.pow(2)
     elif loss_type == "huber":  # pseudo-Huber: quadratic near zero, linear for large errors
-        error = torch.sqrt(diff.pow(2) + huber_c ** 2) - huber_c
+        error = torch.sqrt(diff.pow(2) + HUBER_C ** 2) - HUBER_C
     else:
         raise ValueError(f"unknown loss {loss_type!r}: use mse or huber")
     if mask is None:

@@ -11,7 +11,9 @@ import threading
 import pytest
 import torch
 
-from dataset.cache import CacheError, FeatureCache, build_cache, cache_size_bytes, describe_changes
+from dataset.cache import (
+    CacheError, CacheLayout, FeatureCache, Processes, build_cache, cache_size_bytes, describe_changes,
+)
 from model.file_io import tensors_equal
 
 from tests.scripts import ENV, REPO
@@ -54,7 +56,8 @@ def build(folder, encode, fingerprint=FINGERPRINT, num_samples=NUM_SAMPLES, **kw
     """-> (cache, log lines) of a quiet build with the test's sizes."""
     lines = []
     kwargs = {"shard_size": SHARD_SIZE, "encode_batch": ENCODE_BATCH, "progress": False, **kwargs}
-    cache = build_cache(folder, fingerprint, num_samples, encode, log=lines.append, **kwargs)
+    processes = Processes(**{k: kwargs.pop(k) for k in ("rank", "world_size", "barrier") if k in kwargs})
+    cache = build_cache(folder, fingerprint, num_samples, encode, processes, CacheLayout(**kwargs), lines.append)
     return cache, lines
 
 
@@ -111,7 +114,8 @@ def test_views_of_one_batch_tensor_and_the_progress_bar(tmp_path, capsys):
         batch = torch.stack([torch.full((2, 3), float(i)) for i in indices]).requires_grad_()
         return [{"latents": batch[j] * 1, "first_row": batch[j, 0]} for j in range(len(indices))]
 
-    cache = build_cache(tmp_path, {"v": 1}, 7, encode, shard_size=4, log=lambda *_: None, encode_batch=4)
+    cache = build_cache(tmp_path, {"v": 1}, 7, encode, layout=CacheLayout(shard_size=4, encode_batch=4),
+                        log=lambda *_: None)
     assert "caching features" in capsys.readouterr().err
     for i in range(7):
         assert tensors_equal(cache[i]["latents"], torch.full((2, 3), float(i)))
@@ -170,7 +174,7 @@ def test_stale_cache_is_rebuilt(tmp_path):
 
 KILLED_BUILD = """
 import os, signal, sys
-from dataset.cache import build_cache
+from dataset.cache import CacheLayout, build_cache
 from tests.test_cache import ENCODE_BATCH, FINGERPRINT, NUM_SAMPLES, SHARD_SIZE, fake_sample
 
 def encode(indices):
@@ -178,8 +182,8 @@ def encode(indices):
         os.kill(os.getpid(), signal.SIGKILL)
     return [fake_sample(i) for i in indices]
 
-build_cache(sys.argv[1], FINGERPRINT, NUM_SAMPLES, encode, shard_size=SHARD_SIZE, encode_batch=ENCODE_BATCH,
-            progress=False)
+build_cache(sys.argv[1], FINGERPRINT, NUM_SAMPLES, encode,
+            layout=CacheLayout(shard_size=SHARD_SIZE, encode_batch=ENCODE_BATCH, progress=False))
 """
 
 
@@ -239,9 +243,9 @@ def run_ranks(folder, world_size=2):
 
     def rank_main(rank):
         try:
-            caches[rank] = build_cache(folder, FINGERPRINT, NUM_SAMPLES, encoders[rank], rank=rank,
-                                       world_size=world_size, barrier=barrier.wait, shard_size=SHARD_SIZE,
-                                       encode_batch=ENCODE_BATCH, log=logs[rank].append)
+            caches[rank] = build_cache(folder, FINGERPRINT, NUM_SAMPLES, encoders[rank],
+                                       Processes(rank, world_size, barrier.wait),
+                                       CacheLayout(SHARD_SIZE, ENCODE_BATCH), logs[rank].append)
         except BaseException as e:
             errors.append(e)
             barrier.abort()

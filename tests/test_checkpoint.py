@@ -23,7 +23,7 @@ from model.components import BuiltinComponents
 from model.errors import UserError
 from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
-from trainer.resume import check_resume
+from trainer.resume import RunSpec, check_resume
 from trainer.trainer_utils import StopSignal, lr_at
 
 from tests.scripts import REPO, run, run_in_process
@@ -36,6 +36,11 @@ QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
 
 def parse(argv=()):
     return train_pretrain.parse_args(list(argv))
+
+
+def spec(args, stage):
+    """The run `args` describe, as a resume compares it (no settings decided at start-up)."""
+    return RunSpec(stage, {"kind": "full"}, vars(args), args.resume_kinds, {})
 
 
 def tiny_model(seed=0):
@@ -187,26 +192,26 @@ def test_every_torch_load_in_the_repo_is_weights_only():
 def test_resume_refuses_another_identity_and_needs_force_for_recipe_changes():
     args = parse([])
     state = {"kind": "resume", "stage": "pretrain", "args": vars(parse([])), "dataset_size": 20000}
-    assert check_resume(state, args, "pretrain", 20000) == []
+    assert check_resume(state, spec(args, "pretrain"), 20000) == []
     with pytest.raises(UserError, match="not a MiniSD3 resume checkpoint"):
-        check_resume({**state, "kind": "weights"}, args, "pretrain", 20000)
+        check_resume({**state, "kind": "weights"}, spec(args, "pretrain"), 20000)
     with pytest.raises(UserError, match="from stage 'pretrain', not 'sft'"):
-        check_resume(state, args, "sft", 20000)
+        check_resume(state, spec(args, "sft"), 20000)
     for flag, saved in (("prediction", "v"), ("resolution", 64), ("preset", "small"), ("data", "my_images")):
         with pytest.raises(UserError, match=rf"--{flag} {saved} \(saved\) vs .* \(now\)"):
-            check_resume({**state, "args": {**state["args"], flag: saved}}, parse(["--force_resume", "1"]),
-                         "pretrain", 20000)
+            check_resume({**state, "args": {**state["args"], flag: saved}},
+                         spec(parse(["--force_resume", "1"]), "pretrain"), 20000)
     changed = {**state, "args": {**state["args"], "learning_rate": 0.002, "batch_size": 8}}
     with pytest.raises(UserError, match=r"--batch_size 8 \(saved\) vs 16 \(now\); --learning_rate 0.002 .*"
                                         r"pass --force_resume 1"):
-        check_resume(changed, args, "pretrain", 20000)
+        check_resume(changed, spec(args, "pretrain"), 20000)
     with pytest.raises(UserError, match=r"dataset size 20000 \(saved\) vs 19000 \(now\)"):
-        check_resume(state, args, "pretrain", 19000)
-    forced = check_resume(changed, parse(["--force_resume", "1"]), "pretrain", 20000)
+        check_resume(state, spec(args, "pretrain"), 19000)
+    forced = check_resume(changed, spec(parse(["--force_resume", "1"]), "pretrain"), 20000)
     assert forced == ["--batch_size 8 (saved) vs 16 (now)", "--learning_rate 0.002 (saved) vs 0.001 (now)"]
     # paths, saving, sampling and hardware settings are free to change
     free = parse(["--out_dir", "elsewhere", "--save_interval", "7", "--sample_cfg", "4", "--num_workers", "2"])
-    assert check_resume(state, free, "pretrain", 20000) == []
+    assert check_resume(state, spec(free, "pretrain"), 20000) == []
 
 
 def one_line_error(result):

@@ -13,7 +13,7 @@ import trainer.train_distill as train_distill
 from eval.sampling import load_for_sampling, sample_images
 from model.checkpoint import checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest
 from model.diffusers_io import scheduler_settings
-from model.rectified_flow import sampling_sigmas
+from model.rectified_flow import Sampler, sampling_sigmas
 from trainer import distillation
 from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_sigmas
 
@@ -57,6 +57,13 @@ class Answers(nn.Module):
         return torch.where(unconditional, self.uncond.repeat(n, 1, 1, 1), self.cond.repeat(n, 1, 1, 1))
 
 
+def distill_recipe(guidance, interval):
+    """The losses' recipe of an x-predicting teacher in fp32, guided by `guidance` at sigmas in `interval`."""
+    return DistillRecipe(prediction="x", autocast=None, gen_steps=4, gen_shift=3.0, score_shift=3.0,
+                         real_guidance=guidance, guidance_interval=interval, min_sigma=0.02, max_sigma=0.98,
+                         gan_weight=0.0, gan_d_weight=1e-2)
+
+
 def test_the_generator_gradient_is_dmd2s_normalised_direction():
     g = torch.Generator().manual_seed(0)
     x0_gen = torch.randn(2, 3, 4, 4, generator=g).requires_grad_(True)
@@ -64,7 +71,7 @@ def test_the_generator_gradient_is_dmd2s_normalised_direction():
     guidance = 3.0
     nets = Networks(teacher=Answers(real_cond, real_uncond), generator=None, generator_train=None,
                     fake=Answers(fake), fake_train=None)
-    args = DistillRecipe(prediction="x", autocast=None, real_guidance=guidance, guidance_interval=(0.0, 1.0))
+    args = distill_recipe(guidance, (0.0, 1.0))
     s = torch.tensor([0.3, 0.7])
     loss = dmd_loss(nets, x0_gen, torch.ones(2, 5, 8), torch.ones(2, 8), s, torch.randn(2, 3, 4, 4), args)
     loss.backward()
@@ -85,12 +92,12 @@ def test_the_teachers_guidance_applies_only_inside_its_interval():
     teacher, s = Answers(cond, uncond), torch.tensor([0.1, 0.5, 0.6, 0.9])
     tokens, pooled = torch.ones(4, 5, 8), torch.ones(4, 8)
     guided_everywhere = uncond + 3.0 * (cond - uncond)
-    inside = distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0, interval=(0.2, 0.7))
+    inside = distillation.guided_x0(teacher, x_t, tokens, pooled, s, distill_recipe(3.0, (0.2, 0.7)))
     assert torch.allclose(inside[[0, 3]], cond[[0, 3]], atol=1e-6)  # outside (0.2, 0.7]: the plain conditional estimate
     assert torch.allclose(inside[1:3], guided_everywhere[1:3], atol=1e-6)
-    assert torch.allclose(distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0), guided_everywhere,
-                          atol=1e-6)
-    nowhere = distillation.guided_x0(teacher, x_t, tokens, pooled, s, "x", None, 3.0, interval=(0.9, 1.0))
+    assert torch.allclose(distillation.guided_x0(teacher, x_t, tokens, pooled, s, distill_recipe(3.0, (0.0, 1.0))),
+                          guided_everywhere, atol=1e-6)
+    nowhere = distillation.guided_x0(teacher, x_t, tokens, pooled, s, distill_recipe(3.0, (0.9, 1.0)))
     assert torch.allclose(nowhere, cond, atol=1e-6)
 
 
@@ -213,8 +220,8 @@ def test_a_distilled_sd3_transformer_samples_in_diffusers_with_the_recorded_step
     assert record["sampling"]["steps"] == 2 and record["sampling"]["renoise"] and record["prediction"] == "v"
     model, components, _, _ = load_for_sampling(str(out / "distill_sd3-tiny.json"), str(out), "cpu")
     prompt = "a large red circle in the center"
-    ours = sample_images(model, components, [prompt], seed=5, steps=2, cfg=1.0, shift=record["sampling"]["shift"],
-                         resolution=32, device=torch.device("cpu"), prediction="v", renoise=True)[0]
+    ours = sample_images(model, components, [prompt], 5, Sampler(32, 2, 1.0, record["sampling"]["shift"], "v",
+                                                                  renoise=True), torch.device("cpu"))[0]
     # the exported pipeline, asked for the recorded number of steps and no guidance, draws the same
     # (the SD3 pipeline draws the scheduler's fresh noise from torch's global stream; given the pipeline's generator,
     # as our sampler continues each prompt's own stream, it draws the same noise)

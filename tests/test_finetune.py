@@ -9,6 +9,7 @@ import torch
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
 from eval.sampling import load_for_sampling, sample_images
+from model.rectified_flow import Sampler
 from model.checkpoint import first_difference, read_manifest
 from model.errors import UserError
 from model.model_lora import lora_layers, read_lora_file
@@ -96,8 +97,7 @@ def test_lora_samples_the_same_merged_or_not_and_scale_zero_is_the_base(tmp_path
 
     def images(weights=None, **lora):  # default weights: the LoRA's base
         model, components, record, _ = load_for_sampling(weights, str(out), "cpu", **lora)
-        return sample_images(model, components, prompts, seed=0, steps=4, cfg=2.0, shift=3.0, resolution=32,
-                             device="cpu", prediction=record["prediction"])
+        return sample_images(model, components, prompts, 0, Sampler(32, 4, 2.0, 3.0, record["prediction"]), "cpu")
 
     plain, merged = images(lora="demo"), images(lora="demo", merge=True)
     assert torch.allclose(plain, merged, atol=1e-4)

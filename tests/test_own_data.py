@@ -110,7 +110,8 @@ def test_a_flipped_variant_is_the_mirror_and_its_latents_are_cached(folder, tmp_
     assert 10 < sum(flips) < 30  # about half the epochs show it mirrored
 
     components = BuiltinComponents(GRAMMAR_WORDS)
-    args = DataSettings(resolution=32, cache_dir=str(tmp_path / "cache"), encode_batch=4)
+    args = DataSettings(resolution=32, seed=0, val_data=None, val_samples=64, val_interval=100, cache="1",
+                        cache_dir=str(tmp_path / "cache"), cache_only=False, encode_batch=4)
     info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     cache = cached_dataset(args, samples, components, info, log=lambda line: None)
     features = cache.source  # the variants, encoded once each
@@ -234,7 +235,7 @@ def test_validation_loss_equals_eval_loss_on_the_same_weights(tmp_path, monkeypa
     assert [row["step"] for row in rows if "val_loss" in row] == [3]
     model, components, record = load_weights("pretrain_tiny", str(out))  # the exported (EMA) weights
     data = ShapesDataset("heldout", 6, 32, seed=0)
-    losses = quantile_losses(model, components, data, 6, 4, torch.device("cpu"), record["prediction"], 0)
+    losses = quantile_losses(model, components, data, 6, 4, torch.device("cpu"), record["prediction"])
     assert logged[0] == pytest.approx(sum(losses.values()) / len(losses), rel=1e-6)
 
 

@@ -4,6 +4,7 @@ device (no random copy), a sharded run's ranks filled from rank 0, 8-bit AdamW, 
 import argparse
 import gc
 import os
+import types
 import weakref
 
 import pytest
@@ -17,12 +18,14 @@ from model import loading
 from model.checkpoint import first_difference, load_safetensors
 from model.errors import UserError
 from model.model_lora import apply_lora
-from model.model_sd3light import preset_config
-from model.precision import run_precision
-from model.weights import load_transformer
+from model import memory
+from model.model_sd3light import SD3LightConfig, preset_config
+from model.rectified_flow import Sampler
+from model.precision import StagePrecision, run_precision, torch_dtype
+from model.weights import load_components, load_transformer
 from trainer import startup
 from trainer.distributed import DistInfo
-from trainer.startup import start_up, start_weights_source
+from trainer.startup import start_weights_source
 
 from tests.scripts import run, run_in_process
 from tests.conftest import final_state
@@ -44,14 +47,25 @@ def dirs(tmp_path):
 
 
 def started(module, stage, roles, argv, adapt=None):
-    """A stage's arguments, its precision and its start-up, in this process -> (the arguments with the precision
-    the run resolved them to, Start)."""
+    """A stage's arguments, its precision and its start-up (trainer/startup.py's pieces, in the stages' order), in
+    this process -> (the arguments with the precision the run resolved them to, what started: its networks by
+    name, each "trained", "frozen", or "adapted" (frozen, with `adapt` putting adapters on it), its components
+    and the grids' prompts)."""
     args = module.parse_args(argv)
     info = DistInfo()
-    precision = run_precision(args.dtype, args.frozen_dtype, info.device, stage, print,
-                              frozen_transformer=stage != "sft", sd3_components=bool(args.base))
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision(stage, frozen_transformer=stage != "sft"),
+                              info, bool(args.base))
     resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
-    return resolved, start_up(args, info, precision, print, roles, adapt=adapt)
+    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+    components = load_components(source, info.device, torch_dtype(precision.frozen))
+    data = startup.stage_data(module.data_settings(args), components, SD3LightConfig.from_dict(source["transformer"]),
+                              info, args.batch_size, print)
+    nets = {name: startup.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen, info)
+            for name, role in roles.items()}
+    for name, role in roles.items():
+        if role == "adapted":
+            adapt(nets[name])
+    return resolved, types.SimpleNamespace(nets=nets, components=components, prompts=data.prompts)
 
 
 def adapters(model):
@@ -211,8 +225,7 @@ def test_an_int8_lora_trains_and_its_file_loads_in_diffusers(tmp_path, sd3):
     lora_path = tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"
     model, components, _, _ = load_for_sampling(None, str(tmp_path / "out"), "cpu", lora=str(lora_path))
     prompt = "a large red circle in the center"
-    ours = sample_images(model, components, [prompt], seed=3, steps=2, cfg=2.0, shift=3.0, resolution=32,
-                         device=torch.device("cpu"), prediction="v")[0]
+    ours = sample_images(model, components, [prompt], 3, Sampler(32, 2, 2.0, 3.0, "v"), torch.device("cpu"))[0]
     pipeline = StableDiffusion3Pipeline.from_pretrained(sd3)
     without = diffusers_image(pipeline, prompt, seed=3, steps=2, cfg=2.0)
     pipeline.load_lora_weights(str(lora_path))
@@ -243,7 +256,7 @@ def test_bad_precision_arguments_are_one_line_errors(tmp_path, sd3, monkeypatch)
 
 
 def test_an_estimate_over_the_device_memory_warns_in_one_line_and_the_run_starts(tmp_path, monkeypatch):
-    monkeypatch.setattr(startup, "device_memory", lambda device: 2 ** 20)
+    monkeypatch.setattr(memory, "device_memory", lambda device: 2 ** 20)
     step, messages = run_in_process(train_pretrain, ["--num_samples", "8", "--batch_size", "4", "--max_steps", "1",
                                                      "--sample_steps", "1", *dirs(tmp_path)], monkeypatch)
     estimate = [m for m in messages if m.startswith("memory estimate per process:")]
@@ -254,17 +267,17 @@ def test_an_estimate_over_the_device_memory_warns_in_one_line_and_the_run_starts
 
 
 def test_the_estimate_counts_what_each_network_holds():
-    from model.memory import estimate
+    from model.memory import MemoryPlan, estimate
 
     config = preset_config("base")
     params = sum(p.numel() for p in loading.meta_model(config).parameters())
-    full = estimate(config, {"model": "trained"}, 0, "adamw", True, True, "bf16", 1, 0, 0, "cuda")
+    full = estimate(config, MemoryPlan(("trained",), "adamw", True, "auto", 1, 32, False), "bf16", 1, 0, 0, "cuda")
     assert full["weights"] == full["gradients"] == full["EMA"] == 4 * params and full["optimizer"] == 8 * params
-    lean = estimate(config, {"model": "trained"}, 0, "adamw8bit", True, False, "bf16", 1, 0, 0, "cuda")
+    lean = estimate(config, MemoryPlan(("trained",), "adamw8bit", True, "cpu", 1, 32, False), "bf16", 1, 0, 0, "cuda")
     assert lean["optimizer"] < 2.1 * params and lean["EMA"] == 0  # --ema_device cpu
-    lora = estimate(config, {"model": "adapted"}, 1000, "adamw", False, True, "int8", 1, 0, 0, "cuda")
+    lora = estimate(config, MemoryPlan((1000,), "adamw", False, "auto", 1, 32, False), "int8", 1, 0, 0, "cuda")
     assert lora["weights"] == pytest.approx(1.02 * params + 4000) and lora["optimizer"] == 8000
-    sharded = estimate(config, {"model": "trained"}, 0, "adamw", False, True, "bf16", 4, 0, 0, "cuda")
+    sharded = estimate(config, MemoryPlan(("trained",), "adamw", False, "auto", 1, 32, False), "bf16", 4, 0, 0, "cuda")
     assert sharded["weights"] == params and sharded["gathered block"] > 0
 
 
@@ -284,13 +297,13 @@ def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3, mo
 
 
 def test_a_resume_file_from_before_frozen_dtype_resumes_where_its_frozen_weights_were_fp32():
-    from trainer.resume import check_resume
+    from trainer.resume import RunSpec, check_resume
 
     args = train_lora.parse_args([])
     saved = {k: v for k, v in vars(args).items() if k != "frozen_dtype"}
     state = {"kind": "resume", "stage": "lora", "args": saved, "dataset_size": 10}
     args.frozen_dtype = "fp32"  # what --frozen_dtype auto resolves to for the built-in components on a CPU
-    assert check_resume(state, args, "lora", 10) == []
+    assert check_resume(state, RunSpec("lora", {"kind": "full"}, vars(args), args.resume_kinds, {}), 10) == []
     args.frozen_dtype = "bf16"
     with pytest.raises(UserError, match=r"--frozen_dtype fp32 \(saved\) vs bf16 \(now\)"):
-        check_resume(state, args, "lora", 10)
+        check_resume(state, RunSpec("lora", {"kind": "full"}, vars(args), args.resume_kinds, {}), 10)

@@ -13,6 +13,7 @@ from PIL import Image
 import dataset.training_data
 import trainer.train_pretrain as train_pretrain
 from eval.sampling import load_for_sampling, sample_images
+from model.rectified_flow import Sampler
 from model import checkpoint
 from model.checkpoint import first_difference, load_safetensors, read_manifest
 from model.components import SD3Components
@@ -73,8 +74,8 @@ def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline
     assert pipeline.scheduler.config.shift == record["sampling"]["shift"]
     model, components, _ = load_weights(str(out / "pretrain_sd3-tiny.json"))
     prompt = "a large red circle number 3"
-    ours = sample_images(model, components, [prompt], seed=7, steps=3, cfg=2.0, shift=record["sampling"]["shift"],
-                         resolution=32, device=torch.device("cpu"), prediction="v")[0]
+    ours = sample_images(model, components, [prompt], 7, Sampler(32, 3, 2.0, record["sampling"]["shift"], "v"),
+                         torch.device("cpu"))[0]
     theirs = diffusers_image(pipeline, prompt, seed=7, steps=3, cfg=2.0)
     assert ours.abs().mean() > 0.01 and (ours - theirs).abs().max() < 1e-4
 
@@ -106,8 +107,7 @@ def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diff
     model, components, _, lora_record = load_for_sampling(None, str(out), "cpu", lora=str(lora_path))
     assert lora_record["base"]["weights"] == os.path.join(sd3, "transformer")
     prompt, shift = "a large red circle in the center", 3.0
-    ours = sample_images(model, components, [prompt], seed=3, steps=2, cfg=2.0, shift=shift, resolution=32,
-                         device=torch.device("cpu"), prediction="v")[0]
+    ours = sample_images(model, components, [prompt], 3, Sampler(32, 2, 2.0, shift, "v"), torch.device("cpu"))[0]
     pipeline = StableDiffusion3Pipeline.from_pretrained(sd3)
     without = diffusers_image(pipeline, prompt, seed=3, steps=2, cfg=2.0)
     pipeline.load_lora_weights(str(lora_path))

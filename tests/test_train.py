@@ -9,7 +9,7 @@ from PIL import Image
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
 from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
-from model.rectified_flow import add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
+from model.rectified_flow import Sampler, add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
 import trainer.train_pretrain as train_pretrain
 from dataset.samplers import BucketSampler, EpochSampler
 from model import precision
@@ -122,11 +122,14 @@ def test_loss_falls_when_overfitting_a_fixed_batch():
     items = [data[i] for i in range(8)]
     batch = {"image": torch.stack([it["image"] for it in items]), "caption": [it["caption"] for it in items]}
     args = train_pretrain.parse_args(["--caption_dropout", "0", "--prediction", "x"])
+    recipe = FlowRecipe(prediction=args.prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
+                        logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
+                        weighting=args.weighting, caption_dropout=args.caption_dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []
     for step in range(80):
         generator = torch.Generator().manual_seed(step % 4)  # the same few noise draws again and again
-        loss = flow_matching_loss(model, components, batch, generator, FlowRecipe.of(args, args.prediction, None))
+        loss = flow_matching_loss(model, components, batch, generator, recipe)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -207,15 +210,16 @@ def test_euler_sampler_follows_an_exact_velocity_field():
         s = (t / 1000).view(-1, 1, 1, 1)
         return (x - x0.repeat(x.shape[0] // 2, 1, 1, 1)) / s.clamp(min=1e-6)
 
-    out = euler_sample(model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8), steps=10, cfg=3.0)
+    out = euler_sample(model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8),
+                       Sampler(4, steps=10, cfg=3.0))
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-4)
 
     # the same for a model that outputs x0 itself (x-prediction): its last step lands on its output
     def x_model(x, tokens, pooled, t):
         return x0.repeat(x.shape[0] // 2, 1, 1, 1)
 
-    out = euler_sample(x_model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8), steps=10, cfg=3.0,
-                       prediction="x")
+    out = euler_sample(x_model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8),
+                       Sampler(4, steps=10, cfg=3.0, prediction="x"))
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-5)
 
 
@@ -375,7 +379,7 @@ def test_a_resumed_fast_run_keeps_the_precision_it_began_with(tmp_path, monkeypa
         argv = [*SMALL_RUN, "--dtype", "fast", "--max_steps", "4", "--out_dir", str(tmp_path / name / "out"),
                 "--save_dir", str(tmp_path / name / "ckpt"), "--from_resume", resume]
         if steps < 4:  # stopped after `steps`, as a stop signal would
-            monkeypatch.setattr(train_pretrain.TrainingRun, "finished", property(lambda run: run.step >= steps))
+            monkeypatch.setattr(train_pretrain.Position, "finished", property(lambda run: run.step >= steps))
         result = run_in_process(train_pretrain, argv, monkeypatch)
         monkeypatch.undo()
         with open(tmp_path / name / "out" / "pretrain_tiny_metrics.jsonl") as f:

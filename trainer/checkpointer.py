@@ -1,11 +1,12 @@
 """The Checkpointer saves and resumes a run's resume checkpoint, and does nothing else:
 
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
-    saved = checkpointer.load(args.from_resume)       # read and verified by every process; None: a fresh run
+    saved = find_resume(args.from_resume, stem, info)     # trainer/resume.py: read and verified, or None
     ...
-    checkpointer.restore(saved, position, model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)
+    checkpointer = Checkpointer(stem, info, spec, position, {"model": model, "optimizer": ..., "ema": ema})
+    checkpointer.restore(saved)                           # a fresh run: nothing to restore
     ...
-    checkpointer.save(position, spec, model=model, optimizer=NamedOptimizerState(model, optimizer), ema=ema)
+    if position.step % args.save_interval == 0 or ...:
+        written = checkpointer.save()
 
 It holds the run's position (trainer/position.py) and its named objects, anything with state_dict() and
 load_state_dict() (networks, optimizers, EMAs, the metrics' wandb id), the run's spec (trainer/resume.RunSpec:
@@ -19,36 +20,30 @@ import os
 from model.checkpoint import remove_leftovers, save_checkpoint, step_file
 from model.errors import UserError
 from trainer.parallel import conform
-from trainer.resume import find_resume
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import to_cpu
 
 
 class Checkpointer:
-    """The resume checkpoint of one run at `stem` (checkpoints/<run>_resume) on info's processes (the module's
-    docstring shows its use)."""
+    """The resume checkpoint at `stem` (checkpoints/<run>_resume) of the run `spec` describes (RunSpec), holding
+    `position` and the named `objects` (a None object is saved as None and not restored), on info's processes.
+    Rank 0 first deletes what a killed save left half-written."""
 
-    def __init__(self, stem, info):
-        self.stem, self.info = stem, info
+    def __init__(self, stem, info, spec, position, objects):
+        self.stem, self.info, self.spec, self.position, self.objects = stem, info, spec, position, objects
+        if info.is_main:
+            remove_leftovers(stem)
 
-    def load(self, from_resume):
-        """The resume checkpoint --from_resume names ("0": none, "1": this run's own if there is one, or a
-        path) -> its state (resume.find_resume: every process reads and verifies it, memory-mapped), or None.
-        Rank 0 first deletes what a killed save left half-written."""
-        if self.info.is_main:
-            remove_leftovers(self.stem)
-        return find_resume(str(from_resume), self.stem, self.info)[1]
-
-    def restore(self, state, position, **objects):
-        """Continue `position` and each named object from `state` (None: a fresh run, nothing to restore), each
-        laid out as the run holds it now: shards read from the DCP folder into any layout, or whole tensors from
-        the resume file (cut into this process's shards if the run is sharded). Strict: a missing object or a key
-        that does not fit is a one-line error. A None object is not restored; a None saved state (an EMA the
-        saved run did not keep yet) is given to its object as None."""
+    def restore(self, state):
+        """Continue the position and each named object from `state` (find_resume's; None: a fresh run, nothing to
+        restore), each laid out as the run holds it now: shards read from the DCP folder into any layout, or whole
+        tensors from the resume file (cut into this process's shards if the run is sharded). Strict: a missing
+        object or a key that does not fit is a one-line error. A None saved state (an EMA the saved run did not
+        keep yet) is given to its object as None."""
         if state is None:
             return
-        position.load_state_dict(state)
-        where, objects = state["manifest"], {name: obj for name, obj in objects.items() if obj is not None}
+        self.position.load_state_dict(state)
+        where, objects = state["manifest"], {name: obj for name, obj in self.objects.items() if obj is not None}
         missing = [name for name in objects if name not in state]
         if missing:
             raise UserError(f"{where} holds no {', '.join(missing)}: it was saved by another kind of run")
@@ -64,19 +59,20 @@ class Checkpointer:
         except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
 
-    def save(self, position, spec, **objects):
+    def save(self):
         """Write the resume checkpoint (every process calls it): the position with every rank's random streams,
-        the run's spec, each named object's state (a None object as None); verified, then committed by its
-        manifest. A sharded run writes the objects' tensors as DCP shards, every rank its own. -> the bytes of
-        the whole checkpoint on rank 0, 0 on the others."""
+        the run's spec, each named object's state; verified, then committed by its manifest. A sharded run writes
+        the objects' tensors as DCP shards, every rank its own. -> the bytes of the whole checkpoint on rank 0, 0
+        on the others."""
+        spec, position = self.spec, self.position
         state = {"kind": "resume", "stage": spec.stage, "trained": spec.trains, "args": spec.arguments,
                  "resolved": spec.resolved, "shards": None, **position.state_dict()}
-        clash = set(state) & set(objects)
+        clash = set(state) & set(self.objects)
         if clash:
             raise ValueError(f"object names {sorted(clash)} are taken by the resume checkpoint's own keys")
         if not (self.info.is_main or self.info.sharded):
             return 0
-        states = {name: obj.state_dict() if obj is not None else None for name, obj in objects.items()}
+        states = {name: obj.state_dict() if obj is not None else None for name, obj in self.objects.items()}
         shards = {}
         if self.info.sharded:  # the tensors as DCP shards, the rest in the .pt
             folder = step_file(self.stem, position.step, ".dcp")
@@ -85,7 +81,7 @@ class Checkpointer:
         if not self.info.is_main:
             return 0
         state.update(to_cpu(states))
-        record = {"kind": "resume", "stage": spec.stage, "preset": spec.arguments["preset"],
-                  "samples_seen": position.samples_seen, "world_size": self.info.world_size,
-                  "dtype": spec.resolved.get("dtype")}
-        return save_checkpoint(self.stem, position.step, record, {".pt": state}, written=shards)
+        manifest = {"kind": "resume", "stage": spec.stage, "preset": spec.arguments["preset"],
+                    "samples_seen": position.samples_seen, "world_size": self.info.world_size,
+                    "dtype": spec.resolved.get("dtype")}
+        return save_checkpoint(self.stem, position.step, manifest, {".pt": state}, written=shards)

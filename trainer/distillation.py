@@ -44,6 +44,10 @@ class DistillRecipe:
     gan_weight: float
     gan_d_weight: float
 
+    def sigmas(self):
+        """The generator's fixed sigmas (generator_sigmas), as numbers, as its log and its record list them."""
+        return [round(s, 6) for s in generator_sigmas(self.gen_steps, self.gen_shift).tolist()]
+
 
 @dataclass
 class Networks:

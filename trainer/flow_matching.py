@@ -1,5 +1,6 @@
 """The loss that pretraining, full fine-tuning and LoRA train: rectified flow (model/rectified_flow.py) on one
-micro-batch of images and captions, or of their cached features (dataset/cache.py)."""
+micro-batch of images and captions, or of their cached features (dataset/cache.py); and what those stages' loops
+train (Learner)."""
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,19 @@ class FlowRecipe:
     weighting: str
     caption_dropout: float
     autocast: torch.dtype = None
+
+
+@dataclass(frozen=True)
+class Learner:
+    """What a flow-matching stage's loop trains: the model, and the model as its processes train it (`train_model`:
+    DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), and what its loss
+    reads (the components and the recipe)."""
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    optimizers: list
+    ema: object
+    components: object
+    recipe: FlowRecipe
 
 
 def flow_matching_loss(model, components, batch, generator, recipe):

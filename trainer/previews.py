@@ -50,3 +50,13 @@ class Previews:
         path = f"{self.stem}_step{step:06d}.png"
         save_grid(path, images, prompts)
         return path
+
+
+def step_zero(previews, metrics, data):
+    """A fresh run's step 0, for a stage that starts from trained weights: their grid, and their validation loss as
+    the metrics' first row (what the run must improve on). `data`: the run's StageData (its prompts, its validation
+    images encoded)."""
+    metrics.log(f"sample grid: {previews.grid(0, data.prompts)}")
+    if data.validation:
+        metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
+                           "samples_seen": 0})

@@ -22,19 +22,19 @@ def resume_stem(from_resume, default_stem):
 
 
 def find_resume(from_resume, default_stem, info):
-    """-> (stem, state) of the resume checkpoint to continue (its state with "manifest": the path it was read
-    through), or (stem, None) to start fresh. `from_resume` is
-    "0", "1" (the default checkpoint, if there is one) or a path. Every process reads the file itself, so the
-    save folder must be one that every node sees; the processes share the hashing of its files. If any process
-    fails, all stop with a one-line error."""
-    stem = resume_stem(from_resume, default_stem)
+    """-> the state of the resume checkpoint --from_resume names, to continue (with "manifest": the path it was read
+    through), or None to start fresh. `from_resume` is "0", "1" (the checkpoint at `default_stem`, if there is
+    one) or a path. Every process reads the file itself (memory-mapped), so the save folder must be one that every
+    node sees; the processes share the hashing of its files. If any process fails, all stop with a one-line
+    error."""
+    from_resume, stem = str(from_resume), resume_stem(from_resume, default_stem)
     if stem is None:
-        return default_stem, None
+        return None
     error, state = None, None
     try:
         if from_resume != "1" or os.path.exists(manifest_path(stem)):
-            record = read_manifest(stem, "resume", share=(info.rank, info.world_size))
-            state = load_torch(checkpoint_file(stem, record, ".pt"))
+            manifest = read_manifest(stem, "resume", share=(info.rank, info.world_size))
+            state = load_torch(checkpoint_file(stem, manifest, ".pt"))
     except CheckpointError as e:
         error = str(e)
     ok, found = error is None, state is not None
@@ -51,7 +51,7 @@ def find_resume(from_resume, default_stem, info):
         raise UserError("another process could not read the resume checkpoint (its error is above)")
     if isinstance(state, dict):
         state = {**earlier_layout(state), "manifest": manifest_path(stem)}
-    return stem, state
+    return state
 
 
 def earlier_layout(state):

@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -36,18 +37,17 @@ from trainer.arguments import (  # noqa: E402
     add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
 )
 from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.distillation import (  # noqa: E402
-    DistillRecipe, GANHead, Networks, distillation_losses, generator_sigmas, generator_step,
-)
+from trainer.distillation import DistillRecipe, GANHead, Networks, distillation_losses, generator_step  # noqa: E402
 from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
-from trainer.previews import Previews  # noqa: E402
-from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.previews import Previews, step_zero  # noqa: E402
+from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -95,6 +95,17 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def data_settings(args):
+    """What the arguments say of the data, the validation images and the cache (dataset/training_data.py)."""
+    return DataSettings(
+        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
+        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
+        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
+        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
+        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
+        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
+
+
 def check_args(args):
     """What argparse cannot check alone: one line each, before any work."""
     if args.gan_weight > 0 and args.fsdp:
@@ -115,168 +126,194 @@ def distill_recipe(args, teacher, autocast):
                          max_sigma=args.max_sigma, gan_weight=args.gan_weight, gan_d_weight=args.gan_d_weight)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    check_args(args)
-    name = run_name("distill", args.preset)
-    info = init_distributed(args.fsdp, args.fsdp_shard_size)
-    metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
-    log = metrics.log
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
-    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
-    # cpu_bf16=False: the generator's gradient is the difference of two scores' predictions (bf16 not measured)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
-                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
-    for line in precision.notes:
-        log(line)
-    torch.manual_seed(args.seed)
+@dataclass(frozen=True)
+class Learner:
+    """What the loop trains: the networks (trainer/distillation.Networks), each trained one's optimizer by name
+    ("generator", "fake_score", "gan_head"), the generator's EMA (or None), and what the losses read."""
+    nets: Networks
+    optimizers: dict
+    ema: EMA
+    components: object
+    recipe: DistillRecipe
 
-    # Set-up, one large thing in memory at a time: the teacher's record (its prediction and sampler kept) and
-    # components; the data and its cache (the text encoders then freed); the estimate; three copies of its weights:
-    # the teacher frozen (in --frozen_dtype), the generator and the fake score trained
-    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
-    recipe = distill_recipe(args, source, precision.autocast)
-    sigmas = [round(s, 6) for s in generator_sigmas(recipe.gen_steps, recipe.gen_shift).tolist()]
-    low, high = recipe.guidance_interval
-    log(f"teacher {source['manifest']} (step {source['step']}, predicts {recipe.prediction}, guidance "
-        f"{recipe.real_guidance:g} at sigmas in ({low:g}, {high:g}]); the generator samples at sigmas {sigmas}")
-    config = SD3LightConfig.from_dict(source["transformer"])
-    components = load_components(source, info.device, torch_dtype(precision.frozen))
-    check_export(components, recipe.prediction, args.export_pipeline, args.export_single_file)
-    settings = DataSettings(
-        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
-        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
-        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
-        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
-        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
-        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
-    data = stage_data(settings, components, config, info, args.batch_size, log)
-    if data.dataset is None:  # --cache_only: the cache is built
-        return None
-    plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,
-                      args.batch_size, args.resolution, bool(args.gradient_checkpointing))
-    for line in estimate_lines(config, plan, components, precision, info):
-        log(line)
+
+def networks(args, source, info, precision, log):
+    """Three copies of the teacher's weights: the teacher frozen (in --frozen_dtype), the generator and the fake
+    score trained; the GAN head if --gan_weight; each under DDP or FSDP (the teacher sharded, not wrapped)."""
     teacher, generator, fake = (load_network(source, role, precision.frozen, info) for role in
                                 ("frozen", "trained", "trained"))
     for net in (teacher, generator, fake):
         net.gradient_checkpointing = bool(args.gradient_checkpointing)
     log_peak(info, "the weights loaded", log)
-
-    # DDP or FSDP for each network (the teacher sharded, not wrapped), and the GAN head if --gan_weight; AdamW for
-    # the generator, the fake score and the head; the generator's EMA is what is exported
     head = GANHead(fake.config.inner_dim).to(info.device) if args.gan_weight > 0 else None
-    nets = Networks(data_parallel(teacher.eval(), info, args.compile, precision.autocast), generator,
+    return Networks(data_parallel(teacher.eval(), info, args.compile, precision.autocast), generator,
                     data_parallel(generator, info, args.compile, precision.autocast), fake,
                     data_parallel(fake, info, args.compile, precision.autocast), head,
                     data_parallel(head, info, False, precision.autocast) if head else None)
-    fake_lr = args.fake_learning_rate or args.learning_rate
-    trained = {"generator": generator, "fake_score": fake, "gan_head": head}
+
+
+def main(argv=None):
+    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    args = parse_args(argv)
+    check_args(args)
+    # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
+    # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
+    info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("distill", args.preset)
+    metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
+                         else None)
+    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
+                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
+    for line in precision.notes:
+        metrics.log(line)
+    torch.manual_seed(args.seed)
+
+    # The teacher's record (its prediction and sampler kept) and components; the data and its cache (the text
+    # encoders then freed); the estimate; the networks
+    source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
+    recipe = distill_recipe(args, source, precision.autocast)
+    metrics.log(f"teacher {source['manifest']} (step {source['step']}, predicts {recipe.prediction}, guidance "
+                f"{recipe.real_guidance:g} at sigmas in ({recipe.guidance_interval[0]:g}, "
+                f"{recipe.guidance_interval[1]:g}]); the generator samples at sigmas {recipe.sigmas()}")
+    config = SD3LightConfig.from_dict(source["transformer"])
+    components = load_components(source, info.device, torch_dtype(precision.frozen))
+    check_export(components, recipe.prediction, args.export_pipeline, args.export_single_file)
+    data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
+    if data.dataset is None:  # --cache_only: the cache is built
+        return None
+    plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,
+                      args.batch_size, args.resolution, bool(args.gradient_checkpointing))
+    for line in estimate_lines(config, plan, components, precision, info):
+        metrics.log(line)
+    nets = networks(args, source, info, precision, metrics.log)
+
+    # AdamW for the generator, the fake score and the GAN head; the generator's EMA is what is exported
     optimizers = {name: torch.optim.AdamW(net.parameters(), lr=args.learning_rate, betas=(0.9, 0.999),
                                           weight_decay=args.weight_decay, fused=True)
-                  for name, net in trained.items() if net is not None}
-    ema = EMA(generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+                  for name, net in (("generator", nets.generator), ("fake_score", nets.fake), ("gan_head", nets.head))
+                  if net is not None}
+    ema = EMA(nets.generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    learner = Learner(nets, optimizers, ema, components, recipe)
+    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, source, precision))
 
-    # What a save writes: the resume checkpoint, then the generator's EMA (else its weights), recording how it
-    # samples (its steps, re-noised, without guidance) and what it was distilled from
-    sampling = {"steps": recipe.gen_steps, "cfg": 1.0, "shift": recipe.gen_shift, "renoise": True}
-    teacher_identity = weights_identity(source, args.out_dir)
-    export = WeightsExport(os.path.join(args.out_dir, name), generator, components, {
+
+def outputs(args, info, data, learner, metrics, source, precision):
+    """What the run writes: the metrics; the resume checkpoint (the position, both networks and the head, their
+    optimizers, the EMA, the metrics' wandb id); the generator's EMA (else its weights), recording how it samples
+    (its steps, re-noised, without guidance) and what it was distilled from (`source`); sample grids and the
+    validation loss of those weights."""
+    name, nets, ema, recipe = run_name("distill", args.preset), learner.nets, learner.ema, learner.recipe
+    sampling, teacher = {"steps": recipe.gen_steps, "cfg": 1.0, "shift": recipe.gen_shift, "renoise": True}, \
+        weights_identity(source, args.out_dir)
+    export = WeightsExport(os.path.join(args.out_dir, name), nets.generator, learner.components, {
         "stage": "distill", "preset": args.preset, "resolution": args.resolution, "prediction": recipe.prediction,
-        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
-        "components": components.spec, "sampling": sampling, "teacher": teacher_identity,
-        "teacher_sampling": source["sampling"], "generator_sigmas": sigmas, "args": vars(args)},
+        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": nets.generator.config.to_dict(),
+        "components": learner.components.spec, "sampling": sampling, "teacher": teacher,
+        "teacher_sampling": source["sampling"], "generator_sigmas": recipe.sigmas(), "args": vars(args)},
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
-    saved_objects = {**trained, "ema": ema, **{f"{name}_optimizer": NamedOptimizerState(net, optimizers[name])
-                                               if net is not None else None for name, net in trained.items()},
-                     "metrics": metrics}
-    spec = RunSpec("distill", {"kind": "distill", "teacher": teacher_identity}, vars(args), args.resume_kinds,
-                   {"prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift,
-                    "score_shift": recipe.score_shift, "real_guidance": recipe.real_guidance,
-                    "fake_learning_rate": fake_lr})
-    sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
-    previews = Previews(generator, ema, components, sampler, args.seed, info,
-                        os.path.join(args.out_dir, "samples", name))
-
-    # Where the run is: resumed (--from_resume), or at its start
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
-    position.plan(args.max_steps, args.epochs)
-    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
-    checkpointer.restore(saved, position, **saved_objects)
-    for line in notes + [run_line("distill", [p for net in trained.values() if net for p in net.parameters()],
-                                  position, info)]:
-        log(line)
-    metrics.open(position.step, position.step + position.steps_left, saved is not None)
-    if saved is None:  # a fresh run's step 0: the teacher's weights sampled in the generator's steps
-        log(f"sample grid: {previews.grid(0, data.prompts)}")
-        if data.validation:
-            metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
-                               "samples_seen": 0})
+    spec = RunSpec("distill", {"kind": "distill", "teacher": teacher}, vars(args), args.resume_kinds, {
+        "prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift,
+        "score_shift": recipe.score_shift, "real_guidance": recipe.real_guidance,
+        "fake_learning_rate": args.fake_learning_rate or args.learning_rate})
+    trained = {"generator": nets.generator, "fake_score": nets.fake, "gan_head": nets.head}
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+        **trained, "ema": ema, **{f"{name}_optimizer": NamedOptimizerState(net, learner.optimizers[name])
+                                  if net is not None else None for name, net in trained.items()}, "metrics": metrics})
+    sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
+    previews = Previews(nets.generator, ema, learner.components, sampler, args.seed, info,
+                        os.path.join(args.out_dir, "samples", name))
+    return Outputs(metrics, previews, checkpointer, export)
 
+
+def accumulate(args, batches, learner, generator, k, update):
+    """The step's micro-batches: each network's losses of each (the generator drawing from its step k, with
+    gradients on `update` steps), their sum backpropagated scaled so that the gradients accumulate to their mean
+    (each loss reaches its own network; DDP all-reduces them in the last one's backward) -> the sum of each loss."""
+    totals, nets = {}, learner.nets
+    for micro, batch in enumerate(batches):
+        for net in (nets.generator_train, nets.fake_train, nets.head_train):
+            sync_gradients(net, micro == args.accumulation_steps - 1)
+        losses = distillation_losses(nets, learner.components, batch, generator, k, update, learner.recipe)
+        (sum(losses.values()) / args.accumulation_steps).backward()
+        totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+    return totals
+
+
+def update(args, net, optimizer, loss, guard, step, log):
+    """One network's update: its gradients clipped, its optimizer's step (skipped, with a warning, where the loss
+    or the gradient norm is not finite), its gradients zeroed -> the gradient norm, or None if skipped."""
+    grad_norm = to_item(torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip)) if math.isfinite(loss) \
+        else None
+    skipped = guard.skip(loss, grad_norm, step)  # not finite: no update (many in a row: the end)
+    if skipped:
+        log(skipped)
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return None if skipped else grad_norm
+
+
+def train(args, info, saved, data, learner, out):
+    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
+    signal."""
+    position, metrics, log = out.checkpointer.position, out.metrics, out.metrics.log
+    nets, opt, ema = learner.nets, learner.optimizers, learner.ema
+    position.plan(args.max_steps, args.epochs)
+    params = [p for net in (nets.generator, nets.fake, nets.head) if net is not None for p in net.parameters()]
+    resume_run(saved, out, "distill", params, info)  # a resume that does not fit the run: one line
+    if saved is None:  # step 0: the teacher's weights sampled in the generator's steps
+        step_zero(out.previews, metrics, data)
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
-            update = position.step % args.gen_update_ratio == 0  # the generator learns every Nth step
-            k = generator_step(position.step, recipe.gen_steps, args.seed)  # it draws from its step k
-            lr = set_lr(optimizers["generator"], lr_at(position.progress, position.plan_steps, args.learning_rate,
-                                                       args.warmup_steps, args.min_lr_ratio))
-            set_lr([optimizers[n] for n in ("fake_score", "gan_head") if n in optimizers],
-                   lr_at(position.progress, position.plan_steps, fake_lr, args.warmup_steps, args.min_lr_ratio))
-            totals = {}
-            for micro, batch in enumerate(batches):  # each network's losses; the gradients accumulate
-                for net in (nets.generator_train, nets.fake_train, nets.head_train):
-                    sync_gradients(net, micro == args.accumulation_steps - 1)
-                losses = distillation_losses(nets, components, batch, position.generator, k, update, recipe)
-                (sum(losses.values()) / args.accumulation_steps).backward()  # each loss reaches its own network
-                totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+            update_generator = position.step % args.gen_update_ratio == 0  # the generator learns every Nth step
+            k = generator_step(position.step, learner.recipe.gen_steps, args.seed)  # it draws from its step k
+            lr = set_lr(opt["generator"], lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                                args.warmup_steps, args.min_lr_ratio))
+            set_lr([opt[n] for n in ("fake_score", "gan_head") if n in opt], lr_at(
+                position.progress, position.plan_steps, args.fake_learning_rate or args.learning_rate,
+                args.warmup_steps, args.min_lr_ratio))
+            totals = accumulate(args, batches, learner, position.generator, k, update_generator)
             # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
                                            stop.received is not None, info)
-            losses, norms, skipped = dict(zip(totals, means)), {}, False
-            # each network's step: the fake score's and the head's every step, the generator's on update steps
-            steps = [("fake_score", losses["fake_score"], "fake_grad_norm")]
-            if head is not None:
-                steps.append(("gan_head", losses["gan_d"], "gan_grad_norm"))
-            if update:
-                steps.append(("generator", losses["dmd"] + losses.get("gan_g", 0.0), "gen_grad_norm"))
-            for net, loss, norm in steps:
-                grad_norm = to_item(torch.nn.utils.clip_grad_norm_(trained[net].parameters(), args.grad_clip)) \
-                    if math.isfinite(loss) else None
-                warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-                if warning:
-                    log(warning)
-                    skipped, grad_norm = True, None
-                else:
-                    optimizers[net].step()
-                    if net == "generator" and ema is not None:
-                        ema.update(position.step)
-                optimizers[net].zero_grad(set_to_none=True)
-                norms[norm] = grad_norm
+            losses = dict(zip(totals, means))
+            # each network clipped and stepped: the fake score and the head every step, the generator on its steps
+            norms = {"fake_grad_norm": update(args, nets.fake, opt["fake_score"], losses["fake_score"], guard,
+                                              position.step, log)}
+            if nets.head is not None:
+                norms["gan_grad_norm"] = update(args, nets.head, opt["gan_head"], losses["gan_d"], guard,
+                                                position.step, log)
+            if update_generator:
+                norms["gen_grad_norm"] = update(args, nets.generator, opt["generator"], losses["dmd"] +
+                                                losses.get("gan_g", 0.0), guard, position.step, log)
+                if ema is not None and norms["gen_grad_norm"] is not None:
+                    ema.update(position.step)
             position.end_step()
             images_per_s = position.global_batch / (time.perf_counter() - started)
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
-                val_loss = previews.validation_loss(data.validation)
-            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss}, images_per_s, skipped,
-                          position.step_ids() if args.log_sample_ids else None)
+                val_loss = out.previews.validation_loss(data.validation)
+            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss}, images_per_s,
+                          None in norms.values(), position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 started = time.perf_counter()
-                written = checkpointer.save(position, spec, **saved_objects)
-                written += write_export(export, (ema or generator).state_dict(), position, info)
+                written = out.checkpointer.save() + write_export(out.export, (ema or nets.generator).state_dict(),
+                                                                 position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - started:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
     metrics.close()
     leave_together(info)
-    warn_truncated(components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    warn_truncated(learner.components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
     return position.step
 
 

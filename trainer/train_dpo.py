@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,15 +53,16 @@ from trainer.distributed import init_distributed, leave_together, mean_and_any, 
 from trainer.ema import EMA  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.preference import (  # noqa: E402
-    DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt,
+    DPORecipe, PairRounds, Reference, adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt,
     refresh_pool,
 )
-from trainer.previews import Previews  # noqa: E402
-from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.previews import Previews, step_zero  # noqa: E402
+from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import StageData, load_network, log_peak, ready_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -120,168 +122,219 @@ def pair_rounds(args, source, autocast):
     return PairRounds(args.pair_prompts, args.pair_images, args.pair_choice, sampler, args.seed, scored)
 
 
+def preference_pairs(args, components, rounds, log):
+    """The pairs: a pool the run fills from its own samples (--pairs builtin, on the built-in components), or a
+    manifest's."""
+    if args.pairs != "builtin":
+        return PreferencePairs(args.pairs, args.resolution, log=log)
+    if components.spec["kind"] != "builtin":
+        raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
+                        "components: with --base, pass a .jsonl of pairs")
+    return PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
+
+
+def policy(args, source, config, precision, info):
+    """The policy and the frozen reference (in --frozen_dtype): a copy of the starting weights; or with --lora_rank
+    the base frozen with adapters on it, and no copy (the reference is the policy with them off)."""
+    if args.lora_rank:
+        model = load_network(source, "frozen", precision.frozen, info)
+        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
+        reference = None
+    else:
+        model, reference = (load_network(source, role, precision.frozen, info) for role in ("trained", "frozen"))
+    for net in (model, reference):
+        if net is not None:
+            net.gradient_checkpointing = bool(args.gradient_checkpointing)
+    return model, reference
+
+
+def adapter_count(args, config):
+    """With --lora_rank, the adapters' size, from a model with no memory (the meta device): a bad target is one
+    line now; else 0."""
+    if not args.lora_rank:
+        return 0
+    probe = meta_model(config).requires_grad_(False)
+    try:
+        apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha)
+    except ValueError as e:
+        raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
+    return sum(p.numel() for p in probe.parameters() if p.requires_grad)
+
+
+@dataclass(frozen=True)
+class Learner:
+    """What the loop trains: the policy, and the policy as its processes train it (`train_model`: DDP, or itself on
+    one process and under FSDP), the frozen reference (preference.Reference), the optimizer, the EMA (or None),
+    and what the loss reads."""
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    reference: Reference
+    optimizer: torch.optim.Optimizer
+    ema: EMA
+    components: object
+    recipe: DPORecipe
+
+
 def main(argv=None):
+    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
     args = parse_args(argv)
-    name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
+    # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
+    # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
+    # prediction: BENCHMARKS.md)
     info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    log = metrics.log
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
-    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
-    # cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
-    # prediction (measured on a CPU: BENCHMARKS.md)
+    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("dpo", cpu_bf16=False,
                               frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
-        log(line)
+        metrics.log(line)
     torch.manual_seed(args.seed)
 
-    # Set-up, one large thing in memory at a time: the starting weights' record and components; the pairs (a pool
-    # the run fills from its own samples, for --pairs builtin, or a manifest's, cached when the cache is on); the
-    # estimate; the policy and the frozen reference (in --frozen_dtype): a copy of the starting weights, or with
-    # adapters, the same model with them off
+    # The starting weights' record and components; the pairs (and their cache, when it is on); the estimate; the
+    # policy and the frozen reference
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
+    pairs = preference_pairs(args, components, rounds, metrics.log)
+    check_export(components, prediction, args.export_pipeline, args.export_single_file)
     settings = DataSettings(resolution=args.resolution, seed=args.seed, val_data=args.val_data,
                             val_samples=args.val_samples, val_interval=args.val_interval, cache=args.cache,
                             cache_dir=args.cache_dir, cache_only=args.cache_only, encode_batch=args.encode_batch_size)
-    if args.pairs != "builtin":
-        pairs = PreferencePairs(args.pairs, args.resolution, log=log)
-    elif components.spec["kind"] != "builtin":
-        raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
-                        "components: with --base, pass a .jsonl of pairs")
-    else:
-        pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
-    check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    data = ready_data(settings, StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, log)),
-                      components, config, info, args.batch_size, log)
+    data = ready_data(settings, StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, metrics.log)),
+                      components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
-    adapters = 0
-    if args.lora_rank:  # the adapters' size, on a model with no memory; a bad target found now
-        probe = meta_model(config).requires_grad_(False)
-        try:
-            apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha)
-        except ValueError as e:
-            raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-        adapters = sum(p.numel() for p in probe.parameters() if p.requires_grad)
-    plan = MemoryPlan((adapters,) if args.lora_rank else ("trained", "frozen"), "adamw", args.ema_decay > 0,
-                      args.ema_device, args.batch_size, args.resolution, bool(args.gradient_checkpointing))
+    plan = MemoryPlan((adapter_count(args, config),) if args.lora_rank else ("trained", "frozen"), "adamw",
+                      args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
+                      bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
-        log(line)
-    model = load_network(source, "frozen" if args.lora_rank else "trained", precision.frozen, info)
-    if args.lora_rank:
-        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
-    reference = None if args.lora_rank else load_network(source, "frozen", precision.frozen, info)
-    for net in (model, reference):
-        if net is not None:
-            net.gradient_checkpointing = bool(args.gradient_checkpointing)
-    log_peak(info, "the weights loaded", log)
-    log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
-        f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
-        f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
-    recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
-                       logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
-                       autocast=precision.autocast)
+        metrics.log(line)
+    model, reference = policy(args, source, config, precision, info)
+    log_peak(info, "the weights loaded", metrics.log)
+    metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
+                f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
+                f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
 
     # DDP or FSDP (the reference sharded, not wrapped); AdamW on what trains: all weights, or the adapters
     train_model = data_parallel(model, info, args.compile, precision.autocast)
     reference = adapters_off_reference(model) if args.lora_rank else \
         frozen_copy_reference(data_parallel(reference, info, args.compile, precision.autocast))
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
-    trained = LoRAWeights(model) if args.lora_rank else model
-    ema = EMA(trained, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, fused=True)
+    ema = EMA(LoRAWeights(model) if args.lora_rank else model, args.ema_decay, args.ema_device) \
+        if args.ema_decay > 0 else None
+    recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
+                       logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
+                       autocast=precision.autocast)
+    learner = Learner(model, train_model, reference, optimizer, ema, components, recipe)
+    out = outputs(args, info, data, learner, metrics, source, {"prediction": prediction, **precision.as_args(),
+                                                               **rounds.resolved(isinstance(data.dataset, PairPool))})
+    return train(args, info, saved, data, learner, out, rounds)
 
-    # What a save writes: the resume checkpoint (the policy, its optimizer, the current pairs), then the policy (its
-    # EMA if on): its adapters naming their base (--lora_rank), or its whole weights
+
+def outputs(args, info, data, learner, metrics, source, resolved):
+    """What the run writes: the metrics; the resume checkpoint (the position, the policy or its adapters, its
+    optimizer, the EMA, the current pairs, the metrics' wandb id; `resolved`: the settings decided at start-up);
+    the policy (its EMA if on): its adapters naming their base (--lora_rank), or its whole weights, recording what
+    it started from (`source`); sample grids and the validation loss of those weights."""
+    model, ema, components, prediction = learner.model, learner.ema, learner.components, learner.recipe.prediction
+    name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     sampling, start = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}, \
         weights_identity(source, args.out_dir)
     record = {"stage": "dpo", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
-              "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+              "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": model.config.to_dict(),
               "components": components.spec, "sampling": sampling, "base" if args.lora_rank else "started_from": start,
               "args": vars(args)}
     export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, record,
                         SAVE_DTYPES[args.save_dtype]) if args.lora_rank else \
         WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
                       args.export_pipeline, args.export_single_file)
-    saved_objects = {"model": trained, "optimizer": NamedOptimizerState(model, optimizer), "ema": ema, "pairs": pool,
-                     "metrics": metrics}
-    spec = RunSpec("dpo", {"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start}, vars(args),
-                   args.resume_kinds, {"prediction": prediction, **precision.as_args(), **rounds.resolved(pool)})
-    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
-    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-
-    # Where the run is: resumed (--from_resume), or at its start; a pool is read in this process (no stale copy)
+    pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        0 if pool else args.num_workers)
-    position.plan(args.max_steps, args.epochs)
-    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
-    checkpointer.restore(saved, position, **saved_objects)
-    for line in notes + [run_line("dpo", params, position, info)]:
-        log(line)
-    metrics.open(position.step, position.step + position.steps_left, saved is not None)
-    if saved is None:  # a fresh run's step 0: the starting weights' grid and validation loss, to compare with
-        log(f"sample grid: {previews.grid(0, data.prompts)}")
-        if data.validation:
-            metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
-                               "samples_seen": 0})
+                        0 if pool else args.num_workers)  # a pool is read in this process (no stale copy)
+    spec = RunSpec("dpo", {"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start}, vars(args),
+                   args.resume_kinds, resolved)
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+        "model": LoRAWeights(model) if args.lora_rank else model, "optimizer": NamedOptimizerState(
+            model, learner.optimizer), "ema": ema, "pairs": pool, "metrics": metrics})
+    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=learner.recipe.autocast)
+    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
+    return Outputs(metrics, previews, checkpointer, export)
 
+
+def accumulate(args, batches, learner, generator):
+    """The step's micro-batches of pairs: the DPO loss of each, backpropagated scaled so that the gradients
+    accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of each logged value."""
+    totals = {}
+    for micro, batch in enumerate(batches):
+        sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
+        losses = flow_dpo_loss(learner.train_model, learner.reference, learner.components, batch, generator,
+                               learner.recipe)
+        (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
+        totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+    return totals
+
+
+def train(args, info, saved, data, learner, out, rounds):
+    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
+    signal; with --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`)."""
+    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
+    position.plan(args.max_steps, args.epochs)
+    params = [p for p in learner.model.parameters() if p.requires_grad]
+    pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
+    trained = LoRAWeights(learner.model) if args.lora_rank else learner.model  # what is exported
+    resume_run(saved, out, "dpo", params, info)  # a resume that does not fit the run: one line
+    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
+        step_zero(out.previews, metrics, data)
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             drawn, round_ = {}, (position.step - 1) // args.pair_refresh
             if pool is not None and pool.round != round_:  # builtin pairs: a new round every --pair_refresh steps
-                drawn = refresh_pool(pool, round_, model, components, info, rounds, log)
-            lr = set_lr(optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
-                                         args.warmup_steps, args.min_lr_ratio))
-            totals = {}
-            for micro, batch in enumerate(batches):  # the DPO loss of each micro-batch of pairs; gradients accumulate
-                sync_gradients(train_model, micro == args.accumulation_steps - 1)
-                losses = flow_dpo_loss(train_model, reference, components, batch, position.generator, recipe)
-                (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
-                totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+                drawn = refresh_pool(pool, round_, learner.model, learner.components, info, rounds, log)
+            lr = set_lr(learner.optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                                 args.warmup_steps, args.min_lr_ratio))
+            totals = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
             # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
                                            stop.received is not None, info)
             losses = dict(zip(totals, means))
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) \
                 if math.isfinite(losses["dpo"]) else None
-            skipped = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many in a row:
-            if skipped:                                                    # the end)
+            skipped = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many: the end)
+            if skipped:
                 log(skipped)
             else:
-                optimizer.step()
+                learner.optimizer.step()
                 if ema is not None:
                     ema.update(position.step)
-            optimizer.zero_grad(set_to_none=True)
+            learner.optimizer.zero_grad(set_to_none=True)
             position.end_step()
             images_per_s = position.global_batch / (time.perf_counter() - started)
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
-                val_loss = previews.validation_loss(data.validation)
+                val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss},
                           images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 started = time.perf_counter()
-                written = checkpointer.save(position, spec, **saved_objects)
-                written += write_export(export, (ema or trained).state_dict(), position, info)
+                written = out.checkpointer.save() + write_export(out.export, (ema or trained).state_dict(), position,
+                                                                 info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - started:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
     metrics.close()
     leave_together(info)
-    warn_truncated(components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    warn_truncated(learner.components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
     return position.step
 
 

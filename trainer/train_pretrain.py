@@ -38,14 +38,15 @@ from trainer.arguments import (  # noqa: E402
 from trainer.checkpointer import Checkpointer  # noqa: E402
 from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowRecipe, flow_matching_loss  # noqa: E402
+from trainer.flow_matching import FlowRecipe, Learner, flow_matching_loss  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
+from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews  # noqa: E402
-from trainer.resume import RunSpec, resume_lines, resumed_dtype  # noqa: E402
+from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import log_peak, stage_data  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, run_line, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -80,6 +81,17 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def data_settings(args):
+    """What the arguments say of the data, the validation images and the cache (dataset/training_data.py)."""
+    return DataSettings(
+        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
+        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
+        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
+        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
+        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
+        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
+
+
 def make_optimizers(model, args):
     """[AdamW] (fused: one kernel for all parameters, on a CPU too); or [Muon for the blocks' matrices
     (orthogonalised), AdamW for embeddings, norms and biases]; or [8-bit AdamW] (2 bytes of state a parameter
@@ -97,89 +109,98 @@ def make_optimizers(model, args):
 
 
 def main(argv=None):
+    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
     args = parse_args(argv)
-    name, prediction = run_name("pretrain", args.preset), args.prediction or ("v" if args.base else "x")
-    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
+    info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("pretrain", args.preset)
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    log = metrics.log
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info)
-    saved = checkpointer.load(args.from_resume)  # the resume checkpoint asked for (read, verified), or None
+    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("pretrain"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size))
     for line in precision.notes:
-        log(line)
+        metrics.log(line)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
-    # Set-up, one large thing in memory at a time: the frozen components; the data and its cache (the text encoders
-    # then freed); the estimate; a fresh transformer of the preset's size on the components' widths
+    # The frozen components; the data and its cache (the text encoders then freed); the estimate; a fresh
+    # transformer of the preset's size on the components' widths
     components = new_components(args.base, args.t5_max_length, GRAMMAR_WORDS, info.device,
                                 torch_dtype(precision.frozen)).to(info.device)
     config = preset_config(args.preset, **transformer_widths(components))
+    prediction = args.prediction or ("v" if args.base else "x")
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    settings = DataSettings(
-        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
-        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
-        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
-        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
-        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
-        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
-    data = stage_data(settings, components, config, info, args.batch_size, log)
+    data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return 0
     plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
                       args.resolution, bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
-        log(line)
+        metrics.log(line)
     # rank 0 draws the weights (the other ranks of a sharded run hold none: rank 0's fill their shards)
     model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.device)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
-    log_peak(info, "the weights loaded", log)
+    log_peak(info, "the weights loaded", metrics.log)
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains; an EMA follows them
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    params, optimizers = list(model.parameters()), make_optimizers(model, args)
+    optimizers = make_optimizers(model, args)
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
+    learner = Learner(model, train_model, optimizers, ema, components, recipe)
+    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, precision))
 
-    # What a save writes: the resume checkpoint (the position, model, optimizer, EMA), then the EMA weights (else the
-    # raw ones) in --save_dtype, and for v-prediction a diffusers folder
+
+def outputs(args, info, data, learner, metrics, precision):
+    """What the run writes: the metrics; the resume checkpoint (the position, the model, its optimizers, the EMA,
+    the metrics' wandb id); the EMA weights (else the raw ones) in --save_dtype, and for v-prediction a diffusers
+    folder; sample grids and the validation loss of those weights."""
+    name, model, ema, components, prediction = run_name("pretrain", args.preset), learner.model, learner.ema, \
+        learner.components, learner.recipe.prediction
     sampling = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
     export = WeightsExport(os.path.join(args.out_dir, name), model, components, {
         "stage": "pretrain", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
-        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": config.to_dict(),
+        "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": model.config.to_dict(),
         "components": components.spec, "sampling": sampling, "args": vars(args)},
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
-    saved_objects = {"model": model, "optimizer": NamedOptimizerState(model, optimizers), "ema": ema, "metrics": metrics}
-    spec = RunSpec("pretrain", {"kind": "full"}, vars(args), args.resume_kinds,
-                   {"prediction": prediction, **precision.as_args()})
-    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
-    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-
-    # Where the run is: resumed (--from_resume), or at its start
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
-    position.plan(args.max_steps, args.epochs)
-    notes = resume_lines(saved, spec, position, checkpointer.stem)  # a resume that does not fit: one line
-    checkpointer.restore(saved, position, **saved_objects)
-    for line in notes + [run_line("pretrain", params, position, info)]:
-        log(line)
-    metrics.open(position.step, position.step + position.steps_left, saved is not None)
+    spec = RunSpec("pretrain", {"kind": "full"}, vars(args), args.resume_kinds,
+                   {"prediction": prediction, **precision.as_args()})
+    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+        "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
+    sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
+    previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
+    return Outputs(metrics, previews, checkpointer, export)
 
+
+def accumulate(args, batches, learner, generator):
+    """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
+    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses."""
+    total = 0.0
+    for micro, batch in enumerate(batches):
+        sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
+        loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
+        (loss / args.accumulation_steps).backward()
+        total += loss.item()
+    return total
+
+
+def train(args, info, saved, data, learner, out):
+    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
+    signal."""
+    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
+    position.plan(args.max_steps, args.epochs)
+    params = list(learner.model.parameters())
+    resume_run(saved, out, "pretrain", params, info)  # a resume that does not fit the run: one line
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
-            started = time.perf_counter()
-            lr = set_lr(optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
-                                         args.warmup_steps, args.min_lr_ratio))
-            total = 0.0
-            for micro, batch in enumerate(position.next_step()):  # the step's micro-batches; gradients accumulate
-                sync_gradients(train_model, micro == args.accumulation_steps - 1)
-                loss = flow_matching_loss(train_model, components, batch, position.generator, recipe)
-                (loss / args.accumulation_steps).backward()
-                total += loss.item()
+            started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
+            lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
+                                                  args.warmup_steps, args.min_lr_ratio))
+            total = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
             # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
@@ -188,34 +209,34 @@ def main(argv=None):
             if skipped:
                 log(skipped)
             else:
-                for optimizer in optimizers:
+                for optimizer in learner.optimizers:
                     optimizer.step()
                 if ema is not None:
                     ema.update(position.step)
-            for optimizer in optimizers:
+            for optimizer in learner.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             position.end_step()
             images_per_s = position.global_batch / (time.perf_counter() - started)
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
-                val_loss = previews.validation_loss(data.validation)
+                val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
                           images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 started = time.perf_counter()
-                written = checkpointer.save(position, spec, **saved_objects)
-                written += write_export(export, (ema or model).state_dict(), position, info)
+                written = out.checkpointer.save() + write_export(out.export, (ema or learner.model).state_dict(), position,
+                                                                 info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - started:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {previews.grid(position.step, data.prompts)}")
+                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
     metrics.close()
     leave_together(info)
-    warn_truncated(components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {export.output} (step {position.step})")
+    warn_truncated(learner.components, info, log)
+    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
     return position.step
 
 
