@@ -306,7 +306,18 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
 
 
-def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once():
+@pytest.fixture
+def default_signals():
+    """SIGINT and SIGTERM as an interactive Python starts with them, whatever the test run inherited (one started
+    in the background, e.g. under nohup, ignores SIGINT); the inherited ones back afterwards."""
+    inherited = {signum: signal.signal(signum, handler) for signum, handler in
+                 ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))}
+    yield
+    for signum, handler in inherited.items():
+        signal.signal(signum, handler)
+
+
+def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once(default_signals):
     with StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
