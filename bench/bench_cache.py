@@ -26,12 +26,13 @@ from bench.bench_model import machine_name  # noqa: E402
 from tests.tiny_sd3 import build_folder  # noqa: E402
 
 
-def run(args):
+def run(argv):
+    """trainer/train_pretrain.py with the arguments `argv` -> seconds."""
     t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "trainer/train_pretrain.py", *args], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "trainer/train_pretrain.py", *argv], cwd=REPO, capture_output=True,
                             text=True)
     if result.returncode != 0:
-        sys.exit(f"failed: {' '.join(args)}\n{result.stderr[-2000:]}")
+        sys.exit(f"failed: {' '.join(argv)}\n{result.stderr[-2000:]}")
     return time.perf_counter() - t0
 
 

@@ -77,26 +77,22 @@ def logged_steps(folder, preset):
     return sum(1 for _ in open(path)) if os.path.exists(path) else 0
 
 
-def peak_per_process(args, fsdp, folder):
-    """Run pretraining on `args.processes` processes, DDP or FSDP -> (each process's peak resident memory while it
+def peak_per_process(train_argv, preset, steps, processes, malloc_env, folder):
+    """Run pretraining (`train_argv`: its arguments, `steps` of preset `preset`) on `processes` processes, each with
+    the environment `malloc_env` added, writing into `folder` -> (each process's peak resident memory while it
     trained, polled every 20 ms until the last step was logged; each one's peak over the whole run, from the kernel,
     the final save and sample grid included; seconds)."""
     port, procs = str(free_port()), []
-    command = [sys.executable, os.path.join(REPO, "trainer", "train_pretrain.py"), "--preset", args.preset,
-               "--resolution", str(args.resolution), "--num_samples", str(args.num_samples), "--batch_size",
-               str(args.batch_size), "--max_steps", str(args.steps), "--sample_interval", "0", "--sample_steps", "2",
-               "--save_interval", "1000", "--fsdp", str(fsdp), "--out_dir", os.path.join(folder, "out"),
-               "--save_dir", os.path.join(folder, "ckpt")]
+    command = [sys.executable, os.path.join(REPO, "trainer", "train_pretrain.py"), *train_argv, "--out_dir",
+               os.path.join(folder, "out"), "--save_dir", os.path.join(folder, "ckpt")]
     t0 = time.perf_counter()
-    for rank in range(args.processes):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(args.processes),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        if not args.default_malloc:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    for rank in range(processes):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", **malloc_env}
         procs.append(subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE if rank == 0 else subprocess.DEVNULL))
     training = [0] * len(procs)
-    while logged_steps(folder, args.preset) < args.steps and all(proc.poll() is None for proc in procs):
+    while logged_steps(folder, preset) < steps and all(proc.poll() is None for proc in procs):
         training = [max(peak, resident(proc.pid)) for peak, proc in zip(training, procs)]
         time.sleep(0.02)
     whole = []
@@ -133,7 +129,12 @@ def main():
     for fsdp in (0, 1):
         folder = os.path.join(args.work_dir, f"fsdp{fsdp}")
         shutil.rmtree(folder, ignore_errors=True)
-        training, whole, seconds = peak_per_process(args, fsdp, folder)
+        train_argv = ["--preset", args.preset, "--resolution", str(args.resolution), "--num_samples",
+                      str(args.num_samples), "--batch_size", str(args.batch_size), "--max_steps", str(args.steps),
+                      "--sample_interval", "0", "--sample_steps", "2", "--save_interval", "1000", "--fsdp", str(fsdp)]
+        malloc_env = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+        training, whole, seconds = peak_per_process(train_argv, args.preset, args.steps, args.processes, malloc_env,
+                                                     folder)
         expected = params * 20 / (args.processes if fsdp else 1)
 
         def gb(values):

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from model.checkpoint import remove_leftovers
 from model.file_io import write_safetensors
 
 
@@ -235,9 +236,11 @@ class LoRAExport:
         self.output, self.model, self.record, self.dtype = path, model, record, dtype
 
     def write(self, step, state, samples_seen):
-        """-> bytes written."""
+        """-> bytes written; then the temp files a killed write left are deleted (as a weights save's commit does)."""
         record = {**self.record, "samples_seen": samples_seen, "step": step}
-        return save_lora(self.model, self.output, record, state=state, dtype=self.dtype, fold_alpha=True)["bytes"]
+        written = save_lora(self.model, self.output, record, state=state, dtype=self.dtype, fold_alpha=True)["bytes"]
+        remove_leftovers(self.output)
+        return written
 
 
 def read_lora_file(path):

@@ -114,10 +114,10 @@ class Sampler:
     estimate (`renoise`: a distilled few-step generator), and the dtype the transformer computes in (`autocast`,
     None: fp32)."""
     resolution: int
-    steps: int = 20
-    cfg: float = 4.0
-    shift: float = 3.0
-    prediction: str = "v"
+    steps: int
+    cfg: float
+    shift: float
+    prediction: str
     renoise: bool = False
     autocast: torch.dtype = None
 

@@ -306,6 +306,28 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
 
 
+def test_a_resume_file_in_the_earlier_layout_resumes_bitwise(tmp_path, monkeypatch):
+    """Resume files from before the metrics were a named object (the wandb run's id at the top, no micro-batch
+    size) still resume: a stopped run's file rewritten in that layout continues to the uninterrupted run's end,
+    bit for bit."""
+    data = ShapesDataset("train", 24, 32)
+    train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch)
+    train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1), monkeypatch)
+    stem = str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume")
+    manifest = read_manifest(stem, "resume")
+    state = load_torch(checkpoint.checkpoint_file(stem, manifest, ".pt"))
+    earlier = {**{k: v for k, v in state.items() if k not in ("metrics", "batch_size")},
+               "wandb_id": state["metrics"]["wandb_id"]}
+    record = {k: v for k, v in manifest.items() if k not in ("step", "files")}
+    checkpoint.save_checkpoint(stem, manifest["step"], record, {".pt": earlier})
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1")
+    assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
+    whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
+    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):
+        assert first_difference(whole[key], cut[key], key) is None, key
+    assert whole["logged"] == cut["logged"]
+
+
 @pytest.fixture
 def default_signals():
     """SIGINT and SIGTERM as an interactive Python starts with them, whatever the test run inherited (one started

@@ -211,7 +211,7 @@ def test_euler_sampler_follows_an_exact_velocity_field():
         return (x - x0.repeat(x.shape[0] // 2, 1, 1, 1)) / s.clamp(min=1e-6)
 
     out = euler_sample(model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8),
-                       Sampler(4, steps=10, cfg=3.0))
+                       Sampler(4, steps=10, cfg=3.0, shift=3.0, prediction="v"))
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-4)
 
     # the same for a model that outputs x0 itself (x-prediction): its last step lands on its output
@@ -219,7 +219,7 @@ def test_euler_sampler_follows_an_exact_velocity_field():
         return x0.repeat(x.shape[0] // 2, 1, 1, 1)
 
     out = euler_sample(x_model, torch.randn(2, 3, 4, 4), torch.zeros(2, 5, 8), torch.zeros(2, 8),
-                       Sampler(4, steps=10, cfg=3.0, prediction="x"))
+                       Sampler(4, steps=10, cfg=3.0, shift=3.0, prediction="x"))
     torch.testing.assert_close(out, x0, rtol=0, atol=1e-5)
 
 

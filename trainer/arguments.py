@@ -67,7 +67,7 @@ class StageParser(argparse.ArgumentParser):
             raise ValueError(f"{', '.join(twice)} already have their value where they are declared")
         super().set_defaults(**values)
 
-    def parse_known_args(self, args=None, namespace=None):
+    def parse_known_args(self, argv=None, namespace=None):
         """The namespace carries the arguments' resume kinds as a class attribute (args.resume_kinds), so they go
         wherever the arguments go without being one of them (vars(args) leaves them out)."""
         unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
@@ -75,7 +75,7 @@ class StageParser(argparse.ArgumentParser):
             raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
         if namespace is None:
             namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(argv, namespace)
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -206,9 +206,11 @@ def add_plumbing_args(parser, data="builtin"):
       "or the path of a resume checkpoint (its .json)")
     a("--force_resume", type=switch, default=0, help="1 = resume even though recipe settings (learning rate, batch "
       "size...) changed; what the run is (preset, resolution, data, prediction) can never change")
-    a("--save_interval", type=positive_int, stage_sets=True, help="steps between saves of weights and resume checkpoint")
+    a("--save_interval", type=positive_int, stage_sets=True, help="steps between saves of weights and resume "
+      "checkpoint")
     a("--save_dtype", choices=list(SAVE_DTYPES), stage_sets=True, help="dtype of the exported weights")
-    a("--sample_interval", type=non_negative_int, stage_sets=True, help="steps between sample grids; 0 = only at the end")
+    a("--sample_interval", type=non_negative_int, stage_sets=True, help="steps between sample grids; 0 = only at the "
+      "end")
     a("--sample_prompts", default=None, help="file of prompts for the sample grids, one a line; default: fixed "
       "prompts for the built-in data, else 8 captions of the dataset")
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "

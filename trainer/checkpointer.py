@@ -1,9 +1,10 @@
 """The Checkpointer saves and resumes a run's resume checkpoint, and does nothing else:
 
+    stem = checkpoint_stem(args.save_dir, name)
     saved = find_resume(args.from_resume, stem, info)     # trainer/resume.py: read and verified, or None
     ...
     checkpointer = Checkpointer(stem, info, spec, position, {"model": model, "optimizer": ..., "ema": ema})
-    checkpointer.restore(saved)                           # a fresh run: nothing to restore
+    checkpointer.restore(saved)                           # a fresh run: nothing to restore (outputs.resume_run)
     ...
     if position.step % args.save_interval == 0 or ...:
         written = checkpointer.save()
@@ -22,6 +23,11 @@ from model.errors import UserError
 from trainer.parallel import conform
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import to_cpu
+
+
+def checkpoint_stem(save_dir, name):
+    """Where the run `name` keeps its resume checkpoint: checkpoints/<run>_resume (.json, and the step's files)."""
+    return os.path.join(save_dir, f"{name}_resume")
 
 
 class Checkpointer:

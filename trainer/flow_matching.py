@@ -1,6 +1,6 @@
 """The loss that pretraining, full fine-tuning and LoRA train: rectified flow (model/rectified_flow.py) on one
 micro-batch of images and captions, or of their cached features (dataset/cache.py); and what those stages' loops
-train (Learner)."""
+train (FlowLearner)."""
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +25,7 @@ class FlowRecipe:
 
 
 @dataclass(frozen=True)
-class Learner:
+class FlowLearner:
     """What a flow-matching stage's loop trains: the model, and the model as its processes train it (`train_model`:
     DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), and what its loss
     reads (the components and the recipe)."""

@@ -113,11 +113,6 @@ def conform(saved, current):
     return map_leaves(saved, fit)
 
 
-def as_list(optimizer):
-    """One optimizer, or a list of them (a stage may give each group of weights its own) -> a list."""
-    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-
-
 class NamedOptimizerState:
     """An optimizer's state keyed by its model's parameter names instead of their positions, with sharded tensors
     under FSDP and whole ones otherwise (torch.distributed.checkpoint.state_dict): the same tree in every mode, so

@@ -91,6 +91,10 @@ class Position:
         """The step's samples, over all processes, counted as seen."""
         self.consumed, self.samples_seen = self.consumed + self.global_batch, self.samples_seen + self.global_batch
 
+    def close(self):
+        """Let the data loader go (its worker processes end with it)."""
+        self.loader = None
+
     def step_ids(self):
         """The dataset indices the step trained on, over all processes (every process calls it)."""
         if self.info.world_size == 1:

@@ -61,11 +61,14 @@ class PairRounds:
 
 
 class Reference:
-    """The frozen reference the loss compares with, as a context giving its model: a separate frozen model, or the
-    policy itself with its adapters switched off while the context lasts (`adapters_off`)."""
+    """The frozen reference the loss compares with: called, a context giving its model (a separate frozen model, or
+    the policy itself with its adapters switched off while the context lasts: `adapters_off`)."""
 
     def __init__(self, model, adapters_off=False):
         self.model, self.adapters_off = model, adapters_off
+
+    def __call__(self):
+        return self
 
     def __enter__(self):
         if self.adapters_off:
@@ -103,9 +106,9 @@ def dpo_inside(errors, reference_errors, beta):
 
 def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
-    (the last two detached: logged, adding nothing to the gradient). `reference` is a context giving the frozen
-    reference model (Reference). `generator` draws each side's latent sample, the shared noise and the shared sigmas, in that
-    order, as `recipe` (DPORecipe) says."""
+    (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
+    reference model (Reference). `generator` draws each side's latent sample, the shared noise and the shared
+    sigmas, in that order, as `recipe` (DPORecipe) says."""
     device = next(policy.parameters()).device
     with torch.no_grad():
         features = pair_batch_features(components, batch, device)
@@ -125,7 +128,7 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
             v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction)
         return (v.float() - target).pow(2).flatten(1).mean(1)
 
-    with torch.no_grad(), reference as reference_model:
+    with torch.no_grad(), reference() as reference_model:
         reference_errors = errors(reference_model)
     inside = dpo_inside(errors(policy), reference_errors, recipe.dpo_beta)
     accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()

@@ -29,7 +29,7 @@ from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.errors import UserError
 from model.loading import meta_model
 from model.memory import peak_rss
-from model.model_lora import is_lora_file
+from model.model_lora import apply_lora, is_lora_file
 from model.precision import int8_weights, torch_dtype
 from model.weights import WEIGHT_STAGES, diffusers_source, load_transformer, run_name, weights_source
 
@@ -104,6 +104,18 @@ def load_network(source, role, frozen_dtype, info):
     return load_transformer(source, torch_dtype(frozen_dtype) if frozen else torch.float32, info.device,
                             meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
                             frozen=frozen)
+
+
+def adapter_count(config, targets, rank, alpha):
+    """The trainable parameters LoRA adapters of `rank` (and `alpha`) on `targets` put on a transformer of
+    `config`, counted on one with no memory (the meta device): a bad target is one line before any weight is
+    read."""
+    probe = meta_model(config).requires_grad_(False)
+    try:
+        apply_lora(probe, targets, rank, alpha)
+    except ValueError as e:
+        raise UserError(f"--lora_targets {targets}: {e}") from None
+    return sum(p.numel() for p in probe.parameters() if p.requires_grad)
 
 
 def log_peak(info, what, log):

@@ -14,6 +14,9 @@ generator, exported and sampled; the recipe's values are parse_args' set_default
 eval/eval_sample.py and eval/eval_geneval.py follow), sample grids in out/samples/ (step 0: the teacher's weights
 sampled in the generator's steps), metrics in out/distill_<preset>_metrics.jsonl and the resume checkpoint
 checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+losses and backward of a step's micro-batches, step_network one network's update, train the loop.
 """
 import math
 import os
@@ -25,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings, warn_truncated  # noqa: E402
+from dataset.training_data import DataSettings  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
@@ -36,18 +39,18 @@ from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args,
     add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import Checkpointer  # noqa: E402
+from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distillation import DistillRecipe, GANHead, Networks, distillation_losses, generator_step  # noqa: E402
-from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
+from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews, step_zero  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -127,7 +130,7 @@ def distill_recipe(args, teacher, autocast):
 
 
 @dataclass(frozen=True)
-class Learner:
+class DistillLearner:
     """What the loop trains: the networks (trainer/distillation.Networks), each trained one's optimizer by name
     ("generator", "fake_score", "gan_head"), the generator's EMA (or None), and what the losses read."""
     nets: Networks
@@ -153,7 +156,8 @@ def networks(args, source, info, precision, log):
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
+    (train)."""
     args = parse_args(argv)
     check_args(args)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
@@ -161,7 +165,7 @@ def main(argv=None):
     info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("distill", args.preset)
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
                               frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
@@ -188,13 +192,17 @@ def main(argv=None):
     nets = networks(args, source, info, precision, metrics.log)
 
     # AdamW for the generator, the fake score and the GAN head; the generator's EMA is what is exported
-    optimizers = {name: torch.optim.AdamW(net.parameters(), lr=args.learning_rate, betas=(0.9, 0.999),
-                                          weight_decay=args.weight_decay, fused=True)
-                  for name, net in (("generator", nets.generator), ("fake_score", nets.fake), ("gan_head", nets.head))
-                  if net is not None}
+    trained = {"generator": nets.generator, "fake_score": nets.fake, "gan_head": nets.head}
+    optimizers = {name: adamw(net.parameters(), args.learning_rate, args.weight_decay)
+                  for name, net in trained.items() if net is not None}
     ema = EMA(nets.generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
-    learner = Learner(nets, optimizers, ema, components, recipe)
-    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, source, precision))
+    learner = DistillLearner(nets, optimizers, ema, components, recipe)
+    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    resume_run(saved, out, "distill", [p for net in trained.values() if net for p in net.parameters()], info)
+    if saved is None:  # step 0: the teacher's weights sampled in the generator's steps
+        step_zero(out.previews, metrics, data)
+    del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
+    return train(args, info, position, data, learner, out)
 
 
 def outputs(args, info, data, learner, metrics, source, precision):
@@ -202,7 +210,7 @@ def outputs(args, info, data, learner, metrics, source, precision):
     optimizers, the EMA, the metrics' wandb id); the generator's EMA (else its weights), recording how it samples
     (its steps, re-noised, without guidance) and what it was distilled from (`source`); sample grids and the
     validation loss of those weights."""
-    name, nets, ema, recipe = run_name("distill", args.preset), learner.nets, learner.ema, learner.recipe
+    name, nets, ema, recipe = metrics.name, learner.nets, learner.ema, learner.recipe
     sampling, teacher = {"steps": recipe.gen_steps, "cfg": 1.0, "shift": recipe.gen_shift, "renoise": True}, \
         weights_identity(source, args.out_dir)
     export = WeightsExport(os.path.join(args.out_dir, name), nets.generator, learner.components, {
@@ -213,18 +221,19 @@ def outputs(args, info, data, learner, metrics, source, precision):
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
+    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("distill", {"kind": "distill", "teacher": teacher}, vars(args), args.resume_kinds, {
         "prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift,
         "score_shift": recipe.score_shift, "real_guidance": recipe.real_guidance,
         "fake_learning_rate": args.fake_learning_rate or args.learning_rate})
     trained = {"generator": nets.generator, "fake_score": nets.fake, "gan_head": nets.head}
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+    checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
         **trained, "ema": ema, **{f"{name}_optimizer": NamedOptimizerState(net, learner.optimizers[name])
                                   if net is not None else None for name, net in trained.items()}, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
     previews = Previews(nets.generator, ema, learner.components, sampler, args.seed, info,
                         os.path.join(args.out_dir, "samples", name))
-    return Outputs(metrics, previews, checkpointer, export)
+    return position, Outputs(metrics, previews, checkpointer, export)
 
 
 def accumulate(args, batches, learner, generator, k, update):
@@ -241,30 +250,23 @@ def accumulate(args, batches, learner, generator, k, update):
     return totals
 
 
-def update(args, net, optimizer, loss, guard, step, log):
+def step_network(args, net, optimizer, loss, guard, step, log):
     """One network's update: its gradients clipped, its optimizer's step (skipped, with a warning, where the loss
     or the gradient norm is not finite), its gradients zeroed -> the gradient norm, or None if skipped."""
     grad_norm = to_item(torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip)) if math.isfinite(loss) \
         else None
-    skipped = guard.skip(loss, grad_norm, step)  # not finite: no update (many in a row: the end)
-    if skipped:
-        log(skipped)
+    warning = guard.skip(loss, grad_norm, step)  # not finite: no update (many in a row: the end)
+    if warning:
+        log(warning)
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return None if skipped else grad_norm
+    return None if warning else grad_norm
 
 
-def train(args, info, saved, data, learner, out):
-    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
-    signal."""
-    position, metrics, log = out.checkpointer.position, out.metrics, out.metrics.log
-    nets, opt, ema = learner.nets, learner.optimizers, learner.ema
-    position.plan(args.max_steps, args.epochs)
-    params = [p for net in (nets.generator, nets.fake, nets.head) if net is not None for p in net.parameters()]
-    resume_run(saved, out, "distill", params, info)  # a resume that does not fit the run: one line
-    if saved is None:  # step 0: the teacher's weights sampled in the generator's steps
-        step_zero(out.previews, metrics, data)
+def train(args, info, position, data, learner, out):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+    metrics, log, nets, opt, ema = out.metrics, out.metrics.log, learner.nets, learner.optimizers, learner.ema
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
@@ -282,13 +284,13 @@ def train(args, info, saved, data, learner, out):
                                            stop.received is not None, info)
             losses = dict(zip(totals, means))
             # each network clipped and stepped: the fake score and the head every step, the generator on its steps
-            norms = {"fake_grad_norm": update(args, nets.fake, opt["fake_score"], losses["fake_score"], guard,
+            norms = {"fake_grad_norm": step_network(args, nets.fake, opt["fake_score"], losses["fake_score"], guard,
                                               position.step, log)}
             if nets.head is not None:
-                norms["gan_grad_norm"] = update(args, nets.head, opt["gan_head"], losses["gan_d"], guard,
+                norms["gan_grad_norm"] = step_network(args, nets.head, opt["gan_head"], losses["gan_d"], guard,
                                                 position.step, log)
             if update_generator:
-                norms["gen_grad_norm"] = update(args, nets.generator, opt["generator"], losses["dmd"] +
+                norms["gen_grad_norm"] = step_network(args, nets.generator, opt["generator"], losses["dmd"] +
                                                 losses.get("gan_g", 0.0), guard, position.step, log)
                 if ema is not None and norms["gen_grad_norm"] is not None:
                     ema.update(position.step)
@@ -301,19 +303,17 @@ def train(args, info, saved, data, learner, out):
             metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss}, images_per_s,
                           None in norms.values(), position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
-                started = time.perf_counter()
-                written = out.checkpointer.save() + write_export(out.export, (ema or nets.generator).state_dict(),
-                                                                 position, info)
+                saving = time.perf_counter()
+                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
+                written += write_export(out.export, (ema or nets.generator).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - started:.1f} s")
+                    f"{time.perf_counter() - saving:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
-    metrics.close()
-    leave_together(info)
-    warn_truncated(learner.components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
+                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path}")
+    finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 
 

@@ -20,6 +20,9 @@ loss, the implicit reward accuracy and margin, and each round's pair scores) in 
 sample grids in out/samples/ (step 0: the starting weights) and the resume checkpoint (the policy, its optimizer,
 the current pairs) in checkpoints/.
 Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
+
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+loss and backward of a step's micro-batches, train the loop.
 """
 import math
 import os
@@ -31,10 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
-from dataset.training_data import DataSettings, validation_data, warn_truncated  # noqa: E402
+from dataset.training_data import DataSettings, validation_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.loading import meta_model  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
@@ -48,12 +50,12 @@ from trainer.arguments import (  # noqa: E402
     add_sampling_args, add_schedule_args, add_validation_args, non_negative_float, non_negative_int, positive_float,
     positive_int,
 )
-from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
+from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
+from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.preference import (  # noqa: E402
     DPORecipe, PairRounds, Reference, adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt,
@@ -61,8 +63,10 @@ from trainer.preference import (  # noqa: E402
 )
 from trainer.previews import Previews, step_zero  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import StageData, load_network, log_peak, ready_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
+from trainer.startup import (  # noqa: E402
+    StageData, adapter_count, load_network, log_peak, ready_data, start_weights_source,
+)
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -122,18 +126,25 @@ def pair_rounds(args, source, autocast):
     return PairRounds(args.pair_prompts, args.pair_images, args.pair_choice, sampler, args.seed, scored)
 
 
-def preference_pairs(args, components, rounds, log):
-    """The pairs: a pool the run fills from its own samples (--pairs builtin, on the built-in components), or a
-    manifest's."""
+def pair_data(args, components, config, rounds, info, log):
+    """The pairs (a pool the run fills from its own samples, for --pairs builtin on the built-in components, or a
+    manifest's), their grid prompts and the validation images (--val_data), made ready for the steps: sizes
+    checked, validation encoded, the cache built when it is on (startup.ready_data)."""
     if args.pairs != "builtin":
-        return PreferencePairs(args.pairs, args.resolution, log=log)
-    if components.spec["kind"] != "builtin":
+        pairs = PreferencePairs(args.pairs, args.resolution, log=log)
+    elif components.spec["kind"] != "builtin":
         raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
                         "components: with --base, pass a .jsonl of pairs")
-    return PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
+    else:
+        pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
+    settings = DataSettings(resolution=args.resolution, seed=args.seed, val_data=args.val_data,
+                            val_samples=args.val_samples, val_interval=args.val_interval, cache=args.cache,
+                            cache_dir=args.cache_dir, cache_only=args.cache_only, encode_batch=args.encode_batch_size)
+    data = StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, log))
+    return ready_data(settings, data, components, config, info, args.batch_size, log)
 
 
-def policy(args, source, config, precision, info):
+def policy(args, source, precision, info):
     """The policy and the frozen reference (in --frozen_dtype): a copy of the starting weights; or with --lora_rank
     the base frozen with adapters on it, and no copy (the reference is the policy with them off)."""
     if args.lora_rank:
@@ -148,21 +159,8 @@ def policy(args, source, config, precision, info):
     return model, reference
 
 
-def adapter_count(args, config):
-    """With --lora_rank, the adapters' size, from a model with no memory (the meta device): a bad target is one
-    line now; else 0."""
-    if not args.lora_rank:
-        return 0
-    probe = meta_model(config).requires_grad_(False)
-    try:
-        apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha)
-    except ValueError as e:
-        raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    return sum(p.numel() for p in probe.parameters() if p.requires_grad)
-
-
 @dataclass(frozen=True)
-class Learner:
+class DPOLearner:
     """What the loop trains: the policy, and the policy as its processes train it (`train_model`: DDP, or itself on
     one process and under FSDP), the frozen reference (preference.Reference), the optimizer, the EMA (or None),
     and what the loss reads."""
@@ -176,7 +174,8 @@ class Learner:
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
+    (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
@@ -185,7 +184,7 @@ def main(argv=None):
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("dpo", cpu_bf16=False,
                               frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
@@ -198,21 +197,16 @@ def main(argv=None):
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    pairs = preference_pairs(args, components, rounds, metrics.log)
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    settings = DataSettings(resolution=args.resolution, seed=args.seed, val_data=args.val_data,
-                            val_samples=args.val_samples, val_interval=args.val_interval, cache=args.cache,
-                            cache_dir=args.cache_dir, cache_only=args.cache_only, encode_batch=args.encode_batch_size)
-    data = ready_data(settings, StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, metrics.log)),
-                      components, config, info, args.batch_size, metrics.log)
+    data = pair_data(args, components, config, rounds, info, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = MemoryPlan((adapter_count(args, config),) if args.lora_rank else ("trained", "frozen"), "adamw",
-                      args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
-                      bool(args.gradient_checkpointing))
+    plan = MemoryPlan((adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank
+                      else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size,
+                      args.resolution, bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
-    model, reference = policy(args, source, config, precision, info)
+    model, reference = policy(args, source, precision, info)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
                 f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
@@ -222,17 +216,20 @@ def main(argv=None):
     train_model = data_parallel(model, info, args.compile, precision.autocast)
     reference = adapters_off_reference(model) if args.lora_rank else \
         frozen_copy_reference(data_parallel(reference, info, args.compile, precision.autocast))
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], args.learning_rate, args.weight_decay)
     ema = EMA(LoRAWeights(model) if args.lora_rank else model, args.ema_decay, args.ema_device) \
         if args.ema_decay > 0 else None
     recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
                        logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
                        autocast=precision.autocast)
-    learner = Learner(model, train_model, reference, optimizer, ema, components, recipe)
-    out = outputs(args, info, data, learner, metrics, source, {"prediction": prediction, **precision.as_args(),
-                                                               **rounds.resolved(isinstance(data.dataset, PairPool))})
-    return train(args, info, saved, data, learner, out, rounds)
+    learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe)
+    position, out = outputs(args, info, data, learner, metrics, source, {
+        "prediction": prediction, **precision.as_args(), **rounds.resolved(isinstance(data.dataset, PairPool))})
+    resume_run(saved, out, "dpo", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
+    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
+        step_zero(out.previews, metrics, data)
+    del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
+    return train(args, info, position, data, learner, out, rounds)
 
 
 def outputs(args, info, data, learner, metrics, source, resolved):
@@ -241,7 +238,7 @@ def outputs(args, info, data, learner, metrics, source, resolved):
     the policy (its EMA if on): its adapters naming their base (--lora_rank), or its whole weights, recording what
     it started from (`source`); sample grids and the validation loss of those weights."""
     model, ema, components, prediction = learner.model, learner.ema, learner.components, learner.recipe.prediction
-    name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
+    name = metrics.name
     sampling, start = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}, \
         weights_identity(source, args.out_dir)
     record = {"stage": "dpo", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
@@ -255,14 +252,15 @@ def outputs(args, info, data, learner, metrics, source, resolved):
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         0 if pool else args.num_workers)  # a pool is read in this process (no stale copy)
+    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("dpo", {"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start}, vars(args),
                    args.resume_kinds, resolved)
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+    checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
         "model": LoRAWeights(model) if args.lora_rank else model, "optimizer": NamedOptimizerState(
             model, learner.optimizer), "ema": ema, "pairs": pool, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=learner.recipe.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return Outputs(metrics, previews, checkpointer, export)
+    return position, Outputs(metrics, previews, checkpointer, export)
 
 
 def accumulate(args, batches, learner, generator):
@@ -278,17 +276,13 @@ def accumulate(args, batches, learner, generator):
     return totals
 
 
-def train(args, info, saved, data, learner, out, rounds):
-    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
-    signal; with --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`)."""
-    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
-    position.plan(args.max_steps, args.epochs)
+def train(args, info, position, data, learner, out, rounds):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal; with
+    --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`)."""
+    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     trained = LoRAWeights(learner.model) if args.lora_rank else learner.model  # what is exported
-    resume_run(saved, out, "dpo", params, info)  # a resume that does not fit the run: one line
-    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
-        step_zero(out.previews, metrics, data)
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
@@ -305,9 +299,9 @@ def train(args, info, saved, data, learner, out, rounds):
             losses = dict(zip(totals, means))
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) \
                 if math.isfinite(losses["dpo"]) else None
-            skipped = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many: the end)
-            if skipped:
-                log(skipped)
+            warning = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many: the end)
+            if warning:
+                log(warning)
             else:
                 learner.optimizer.step()
                 if ema is not None:
@@ -320,21 +314,19 @@ def train(args, info, saved, data, learner, out, rounds):
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss},
-                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
-                started = time.perf_counter()
-                written = out.checkpointer.save() + write_export(out.export, (ema or trained).state_dict(), position,
-                                                                 info)
+                saving = time.perf_counter()
+                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
+                written += write_export(out.export, (ema or trained).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - started:.1f} s")
+                    f"{time.perf_counter() - saving:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
-    metrics.close()
-    leave_together(info)
-    warn_truncated(learner.components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
+                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path}")
+    finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 
 

@@ -10,6 +10,9 @@ weights path; its preset must be --preset, and its prediction and components are
 weights; the recipe's values are parse_args' set_defaults. Writes out/sft_<preset>.json and the files it names,
 sample grids in out/samples/ (step 0 shows the starting weights), metrics in out/sft_<preset>_metrics.jsonl and the
 resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue with --from_resume 1.
+
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+loss and backward of a step's micro-batches, train the loop.
 """
 import math
 import os
@@ -20,29 +23,29 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings, warn_truncated  # noqa: E402
+from dataset.training_data import DataSettings  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.precision import StagePrecision, import_torchao, run_precision, torch_dtype  # noqa: E402
+from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
-from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
+from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
+from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowRecipe, Learner, flow_matching_loss  # noqa: E402
+from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews, step_zero  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -88,13 +91,14 @@ def data_settings(args):
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
+    (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("sft", args.preset)
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("sft"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size))
     for line in precision.notes:
@@ -122,23 +126,26 @@ def main(argv=None):
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for
     # all parameters; or 8-bit AdamW, 2 bytes a parameter of state instead of 8); the EMA starts at the weights
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    optimizer = import_torchao("--optimizer adamw8bit").optim.AdamW8bit(
-        model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay) if args.optimizer == "adamw8bit" \
-        else torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
+    optimizer = adamw(model.parameters(), args.learning_rate, args.weight_decay, args.optimizer == "adamw8bit")
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
-    learner = Learner(model, train_model, [optimizer], ema, components, recipe)
-    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, source, precision))
+    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
+    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    resume_run(saved, out, "sft", model.parameters(), info)  # a resume that does not fit the run: one line
+    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
+        step_zero(out.previews, metrics, data)
+    del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
+    return train(args, info, position, data, learner, out)
 
 
 def outputs(args, info, data, learner, metrics, source, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the model, its optimizer, the EMA,
     the metrics' wandb id); the EMA weights (else the raw ones), recording what they started from (`source`);
     sample grids and the validation loss of those weights."""
-    name, model, ema, components, prediction = run_name("sft", args.preset), learner.model, learner.ema, \
-        learner.components, learner.recipe.prediction
+    name, model, ema, components, prediction = metrics.name, learner.model, learner.ema, learner.components, \
+        learner.recipe.prediction
     sampling = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
     export = WeightsExport(os.path.join(args.out_dir, name), model, components, {
         "stage": "sft", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
@@ -148,13 +155,14 @@ def outputs(args, info, data, learner, metrics, source, precision):
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
+    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("sft", {"kind": "full"}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+    checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
         "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers[0]), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return Outputs(metrics, previews, checkpointer, export)
+    return position, Outputs(metrics, previews, checkpointer, export)
 
 
 def accumulate(args, batches, learner, generator):
@@ -169,15 +177,10 @@ def accumulate(args, batches, learner, generator):
     return total
 
 
-def train(args, info, saved, data, learner, out):
-    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
-    signal."""
-    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
-    position.plan(args.max_steps, args.epochs)
+def train(args, info, position, data, learner, out):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
-    resume_run(saved, out, "sft", params, info)  # a resume that does not fit the run: one line
-    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
-        step_zero(out.previews, metrics, data)
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
@@ -189,9 +192,9 @@ def train(args, info, saved, data, learner, out):
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
                 else None
-            skipped = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if skipped:
-                log(skipped)
+            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+            if warning:
+                log(warning)
             else:
                 for optimizer in learner.optimizers:
                     optimizer.step()
@@ -206,21 +209,19 @@ def train(args, info, saved, data, learner, out):
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
-                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
-                started = time.perf_counter()
-                written = out.checkpointer.save() + write_export(out.export, (ema or learner.model).state_dict(), position,
-                                                                 info)
+                saving = time.perf_counter()
+                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
+                written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - started:.1f} s")
+                    f"{time.perf_counter() - saving:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
-    metrics.close()
-    leave_together(info)
-    warn_truncated(learner.components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
+                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path}")
+    finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 
 

@@ -15,6 +15,9 @@ shows the base model), the resume checkpoint (only the adapters, their optimizer
 checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 
     python eval/eval_sample.py --lora demo --prompt "a large white star in the center"
+
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+loss and backward of a step's micro-batches, train the loop.
 """
 import math
 import os
@@ -25,9 +28,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings, training_dataset, warn_truncated  # noqa: E402
-from model.errors import UserError, run_main  # noqa: E402
-from model.loading import meta_model  # noqa: E402
+from dataset.training_data import DataSettings, training_dataset  # noqa: E402
+from model.errors import run_main  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
@@ -38,18 +40,18 @@ from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_sampling_args,
     add_schedule_args, add_validation_args, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
+from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
+from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowRecipe, Learner, flow_matching_loss  # noqa: E402
+from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews, step_zero  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
+from trainer.startup import adapter_count, load_network, log_peak, stage_data, start_weights_source  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -60,7 +62,8 @@ def parse_args(argv=None):
                           "square, or the area of the aspect-ratio buckets")
     identity.add_argument("--prediction", default=None, choices=PREDICTIONS, help="must be what the base weights "
                           "predict (leave it unset: it is read from them)")
-    identity.add_argument("--lora_name", default="demo", help="names the file: out/lora/lora_<name>_<preset>.safetensors")
+    identity.add_argument("--lora_name", default="demo", help="names the file: "
+                          "out/lora/lora_<name>_<preset>.safetensors")
     recipe.add_argument("--from_weight", default="pretrain", help="base weights: a stage name in --out_dir "
                         "('pretrain' = pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or "
                         "of a diffusers folder, or 'base' = --base's transformer")
@@ -115,26 +118,17 @@ def prior_dataset(args, settings, components, config, log):
     return dataset
 
 
-def adapter_count(args, config):
-    """The adapters' size, from a model with no memory (the meta device): a bad target is one line now."""
-    probe = meta_model(config).requires_grad_(False)
-    try:
-        apply_lora(probe, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    except ValueError as e:
-        raise UserError(f"--lora_targets {args.lora_targets}: {e}") from None
-    return sum(p.numel() for p in probe.parameters() if p.requires_grad)
-
-
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
+    (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info, name = init_distributed(args.fsdp, args.fsdp_shard_size), lora_run_name(args.lora_name, args.preset)
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info, bool(args.base),
-                              resumed_dtype(saved, info.world_size))
+    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
+    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
+                              bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
         metrics.log(line)
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
@@ -149,8 +143,9 @@ def main(argv=None):
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = MemoryPlan((adapter_count(args, config),), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing))
+    adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)  # a bad target: one line
+    plan = MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
+                      bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
     model = load_network(source, "frozen", precision.frozen, info)
@@ -164,22 +159,26 @@ def main(argv=None):
     # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW; the
     # resume checkpoint and the EMA hold them alone
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    optimizer = adamw([p for p in model.parameters() if p.requires_grad], args.learning_rate, args.weight_decay)
     ema = EMA(LoRAWeights(model), args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
-    learner = Learner(model, train_model, [optimizer], ema, components, recipe)
-    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, source, precision))
+    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
+    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    resume_run(saved, out, "lora", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
+    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
+        step_zero(out.previews, metrics, data)
+    del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
+    return train(args, info, position, data, learner, out)
 
 
 def outputs(args, info, data, learner, metrics, source, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the adapters, their optimizer, their
     EMA, the metrics' wandb id); the adapters (their EMA if on) in diffusers' LoRA format, naming the base
     (`source`); sample grids and the validation loss of the model with them."""
-    name, model, ema, components, prediction = lora_run_name(args.lora_name, args.preset), learner.model, \
-        learner.ema, learner.components, learner.recipe.prediction
+    name, model, ema, components, prediction = metrics.name, learner.model, learner.ema, learner.components, \
+        learner.recipe.prediction
     sampling, base = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}, \
         weights_identity(source, args.out_dir)
     export = LoRAExport(lora_file(args.out_dir, args.lora_name, args.preset), model, {
@@ -189,13 +188,15 @@ def outputs(args, info, data, learner, metrics, source, precision):
         SAVE_DTYPES[args.save_dtype])
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
+    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("lora", {"kind": "lora", "base": base}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
-        "model": LoRAWeights(model), "optimizer": NamedOptimizerState(model, learner.optimizers[0]), "ema": ema, "metrics": metrics})
+    checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
+        "model": LoRAWeights(model), "optimizer": NamedOptimizerState(model, learner.optimizers[0]), "ema": ema,
+        "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return Outputs(metrics, previews, checkpointer, export)
+    return position, Outputs(metrics, previews, checkpointer, export)
 
 
 def accumulate(args, batches, learner, generator):
@@ -210,15 +211,10 @@ def accumulate(args, batches, learner, generator):
     return total
 
 
-def train(args, info, saved, data, learner, out):
-    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
-    signal."""
-    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
-    position.plan(args.max_steps, args.epochs)
+def train(args, info, position, data, learner, out):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]  # the adapters
-    resume_run(saved, out, "lora", params, info)  # a resume that does not fit the run: one line
-    if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
-        step_zero(out.previews, metrics, data)
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
@@ -230,9 +226,9 @@ def train(args, info, saved, data, learner, out):
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
                 else None
-            skipped = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if skipped:
-                log(skipped)
+            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+            if warning:
+                log(warning)
             else:
                 for optimizer in learner.optimizers:
                     optimizer.step()
@@ -247,21 +243,19 @@ def train(args, info, saved, data, learner, out):
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
-                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
-                started = time.perf_counter()
-                written = out.checkpointer.save() + write_export(out.export, (ema or LoRAWeights(learner.model)).state_dict(), position,
-                                                                 info)
+                saving = time.perf_counter()
+                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
+                written += write_export(out.export, (ema or LoRAWeights(learner.model)).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - started:.1f} s")
+                    f"{time.perf_counter() - saving:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
-    metrics.close()
-    leave_together(info)
-    warn_truncated(learner.components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
+                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path}")
+    finish_run(out, learner.components, info, stopping, stop.received)
     if position.finished:
         log(f"sample with the adapter: python eval/eval_sample.py --lora {args.lora_name} --prompt \"...\"")
     return position.step

@@ -11,6 +11,9 @@ files it names (weights for sampling and fine-tuning; a v-prediction model also 
 out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl,
 and the resume checkpoint checkpoints/pretrain_<preset>_resume.json (+ its file). Stop with SIGTERM or Ctrl-C;
 continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
+
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+loss and backward of a step's micro-batches, train the loop.
 """
 import math
 import os
@@ -22,31 +25,31 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
-from dataset.training_data import DataSettings, warn_truncated  # noqa: E402
+from dataset.training_data import DataSettings  # noqa: E402
 from model.components import new_components, transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.loading import meta_model  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
-from model.precision import StagePrecision, import_torchao, run_precision, torch_dtype  # noqa: E402
+from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
 from model.weights import WeightsExport, check_export, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
-from trainer.checkpointer import Checkpointer  # noqa: E402
-from trainer.distributed import init_distributed, leave_together, mean_and_any, sync_gradients  # noqa: E402
+from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
+from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowRecipe, Learner, flow_matching_loss  # noqa: E402
+from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.outputs import Outputs, resume_run  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.previews import Previews  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
 from trainer.startup import log_peak, stage_data  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, lr_at, set_lr, stop_message  # noqa: E402
+from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -93,29 +96,26 @@ def data_settings(args):
 
 
 def make_optimizers(model, args):
-    """[AdamW] (fused: one kernel for all parameters, on a CPU too); or [Muon for the blocks' matrices
-    (orthogonalised), AdamW for embeddings, norms and biases]; or [8-bit AdamW] (2 bytes of state a parameter
-    instead of 8)."""
+    """[Muon for the blocks' matrices (orthogonalised), AdamW for embeddings, norms and biases]; or [AdamW] (fused)
+    or [8-bit AdamW] (2 bytes of state a parameter instead of 8)."""
     params = list(model.parameters())
     if args.optimizer == "muon":
         hidden, rest = model.block_matrices_and_rest()
         return [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
                                  adjust_lr_fn="match_rms_adamw"),
                 torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
-    if args.optimizer == "adamw8bit":
-        return [import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=args.learning_rate,
-                                                                        weight_decay=args.weight_decay)]
-    return [torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
+    return [adamw(params, args.learning_rate, args.weight_decay, eight_bit=args.optimizer == "adamw8bit")]
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; then the loop (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
+    (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("pretrain", args.preset)
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    saved = find_resume(args.from_resume, os.path.join(args.save_dir, f"{name}_resume"), info)
+    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("pretrain"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size))
     for line in precision.notes:
@@ -148,16 +148,19 @@ def main(argv=None):
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
-    learner = Learner(model, train_model, optimizers, ema, components, recipe)
-    return train(args, info, saved, data, learner, outputs(args, info, data, learner, metrics, precision))
+    learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
+    position, out = outputs(args, info, data, learner, metrics, precision)
+    resume_run(saved, out, "pretrain", model.parameters(), info)  # a resume that does not fit the run: one line
+    del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
+    return train(args, info, position, data, learner, out)
 
 
 def outputs(args, info, data, learner, metrics, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the model, its optimizers, the EMA,
     the metrics' wandb id); the EMA weights (else the raw ones) in --save_dtype, and for v-prediction a diffusers
     folder; sample grids and the validation loss of those weights."""
-    name, model, ema, components, prediction = run_name("pretrain", args.preset), learner.model, learner.ema, \
-        learner.components, learner.recipe.prediction
+    name, model, ema, components, prediction = metrics.name, learner.model, learner.ema, learner.components, \
+        learner.recipe.prediction
     sampling = {"steps": args.sample_steps, "cfg": args.sample_cfg, "shift": args.sample_shift}
     export = WeightsExport(os.path.join(args.out_dir, name), model, components, {
         "stage": "pretrain", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
@@ -166,13 +169,14 @@ def outputs(args, info, data, learner, metrics, precision):
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
+    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("pretrain", {"kind": "full"}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
-    checkpointer = Checkpointer(os.path.join(args.save_dir, f"{name}_resume"), info, spec, position, {
+    checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
         "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return Outputs(metrics, previews, checkpointer, export)
+    return position, Outputs(metrics, previews, checkpointer, export)
 
 
 def accumulate(args, batches, learner, generator):
@@ -187,13 +191,10 @@ def accumulate(args, batches, learner, generator):
     return total
 
 
-def train(args, info, saved, data, learner, out):
-    """The loop, from where `saved` (the resume checkpoint, or None) left off to the end of the schedule or a stop
-    signal."""
-    position, metrics, log, ema = out.checkpointer.position, out.metrics, out.metrics.log, learner.ema
-    position.plan(args.max_steps, args.epochs)
+def train(args, info, position, data, learner, out):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
-    resume_run(saved, out, "pretrain", params, info)  # a resume that does not fit the run: one line
     stopping, guard = False, NonFiniteSteps(args.save_dir)
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
         while not (position.finished or stopping):
@@ -205,9 +206,9 @@ def train(args, info, saved, data, learner, out):
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
                 else None
-            skipped = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if skipped:
-                log(skipped)
+            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
+            if warning:
+                log(warning)
             else:
                 for optimizer in learner.optimizers:
                     optimizer.step()
@@ -222,21 +223,19 @@ def train(args, info, saved, data, learner, out):
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
-                          images_per_s, skipped is not None, position.step_ids() if args.log_sample_ids else None)
+                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
-                started = time.perf_counter()
-                written = out.checkpointer.save() + write_export(out.export, (ema or learner.model).state_dict(), position,
-                                                                 info)
+                saving = time.perf_counter()
+                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
+                written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - started:.1f} s")
+                    f"{time.perf_counter() - saving:.1f} s")
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                log(f"sample grid: {out.previews.grid(position.step, data.prompts)}")
-    metrics.close()
-    leave_together(info)
-    warn_truncated(learner.components, info, log)
-    log(stop_message(stop.received, position.step) if stopping else f"done: {out.export.output} (step {position.step})")
+                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path}")
+    finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 
 

@@ -2,8 +2,8 @@
 step, the skip of a step that is not finite, random states and nested state trees. Their neighbours, each a
 module with one job: trainer/distributed.py (processes), position.py (where a run is in its data), ema.py,
 checkpointer.py (saves and resume), resume.py (whether a checkpoint fits the run), metrics.py (the metrics file,
-progress bar, wandb), previews.py (sample grids, validation). Nothing here computes a loss, builds an optimizer
-or steps one: the stage script does.
+progress bar, wandb), previews.py (sample grids, validation). Nothing here computes a loss or steps an optimizer:
+the stage script does, and it says which optimizer it builds (adamw gives AdamW, fused, or torchao's 8-bit one).
 """
 import math
 import signal
@@ -12,6 +12,7 @@ import threading
 import torch
 
 from model.errors import UserError
+from model.precision import import_torchao
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -46,33 +47,24 @@ def ignore_sigint(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_line(stage, parameters, position, info):
-    """One line: what trains (`parameters`, each counted once), on how much data, in how many steps, on how many
-    processes."""
-    count = sum({id(p): p.numel() for p in parameters}.values())
-    how = f"FSDP over mesh {tuple(info.mesh.shape)}" if info.sharded else \
-        "DDP" if info.world_size > 1 else "one process"
-    return (f"{stage}: {count / 1e6:.1f}M trainable parameters, {len(position.dataset)} samples, global batch "
-            f"{position.global_batch}, {position.step + position.steps_left} steps, {info.world_size} process(es) "
-            f"on {info.device.type} ({how})")
-
-
-def stop_message(received, step):
-    """The last line of a run a stop signal ended (`received`: this process's signal, None if another's)."""
-    what = signal.Signals(received).name if received else "a stop signal on another rank"
-    return f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1"
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Schedule, random states, state trees
+# A step: its learning rate, the guard against one that is not finite
 
 
-def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio=0.1):
+def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
     """Linear warmup, then cosine decay to min_lr_ratio * base_lr. `step` counts from 0."""
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def adamw(params, lr, weight_decay, eight_bit=False):
+    """AdamW over `params`: torch's, fused (one kernel for all parameters, on a CPU too), or with `eight_bit`
+    torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8)."""
+    if eight_bit:
+        return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
 
 
 def set_lr(optimizer, lr):
@@ -101,11 +93,36 @@ class NonFiniteSteps:
             self.in_a_row = 0
             return None
         self.in_a_row += 1
+        what = f"{'loss' if grad_norm is None else 'gradient norm'} is {loss if grad_norm is None else grad_norm}"
         if self.in_a_row >= self.limit:
-            raise UserError(f"loss was not finite for {self.in_a_row} steps in a row (last good save in "
-                            f"{self.save_dir}): lower --learning_rate or check the data")
-        what = f"loss is {loss}" if grad_norm is None else f"gradient norm is {grad_norm}"
+            raise UserError(f"loss was not finite for {self.in_a_row} steps in a row (at step {step} the {what}; "
+                            f"last good save in {self.save_dir}): lower --learning_rate or check the data")
         return f"warning: {what} at step {step}; update skipped ({self.in_a_row} in a row)"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A run's lines: what trains, how it ended
+
+
+def run_line(stage, parameters, position, info):
+    """One line: what trains (`parameters`, each counted once), on how much data, in how many steps, on how many
+    processes."""
+    count = sum({id(p): p.numel() for p in parameters}.values())
+    how = f"FSDP over mesh {tuple(info.mesh.shape)}" if info.sharded else \
+        "DDP" if info.world_size > 1 else "one process"
+    return (f"{stage}: {count / 1e6:.1f}M trainable parameters, {len(position.dataset)} samples, global batch "
+            f"{position.global_batch}, {position.step + position.steps_left} steps, {info.world_size} process(es) "
+            f"on {info.device.type} ({how})")
+
+
+def stop_message(received, step):
+    """The last line of a run a stop signal ended (`received`: this process's signal, None if another's)."""
+    what = signal.Signals(received).name if received else "a stop signal on another rank"
+    return f"stopped by {what} at step {step}, checkpoint saved: continue with --from_resume 1"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random states, state trees
 
 
 def rng_state(generator, device):
