@@ -306,6 +306,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
 
 
+@pytest.mark.slow
 def test_a_resume_file_in_the_earlier_layout_resumes_bitwise(tmp_path, monkeypatch):
     """Resume files from before the metrics were a named object (the wandb run's id at the top, no micro-batch
     size) still resume: a stopped run's file rewritten in that layout continues to the uninterrupted run's end,
