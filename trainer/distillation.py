@@ -62,6 +62,17 @@ class Networks:
     head_train: nn.Module = None
 
 
+@dataclass(frozen=True)
+class DistillLearner:
+    """What the distillation loop trains: the networks (Networks), each trained one's optimizer by name
+    ("generator", "fake_score", "gan_head"), the generator's EMA (or None), and what the losses read."""
+    nets: Networks
+    optimizers: dict
+    ema: object
+    components: object
+    recipe: DistillRecipe
+
+
 class GANHead(nn.Module):
     """The discriminator: a small MLP on the fake score's image tokens after its middle block, averaged over the
     tokens -> one logit per sample (DMD2 puts a small classifier on its fake UNet's bottleneck)."""

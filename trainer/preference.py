@@ -90,6 +90,20 @@ def adapters_off_reference(model):
     return Reference(model, adapters_off=True)
 
 
+@dataclass(frozen=True)
+class DPOLearner:
+    """What the DPO loop trains: the policy, and the policy as its processes train it (`train_model`: DDP, or itself on
+    one process and under FSDP), the frozen reference (Reference), the optimizer, the EMA (or None),
+    and what the loss reads."""
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    reference: Reference
+    optimizer: torch.optim.Optimizer
+    ema: object
+    components: object
+    recipe: DPORecipe
+
+
 def pair_batch_features(components, batch, device):
     """A micro-batch of pairs -> their features: read from the cache, or encoded now."""
     if "chosen_latents" in batch:

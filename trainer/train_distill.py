@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +39,9 @@ from trainer.arguments import (  # noqa: E402
     add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
-from trainer.distillation import DistillRecipe, GANHead, Networks, distillation_losses, generator_step  # noqa: E402
+from trainer.distillation import (  # noqa: E402
+    DistillLearner, DistillRecipe, GANHead, Networks, distillation_losses, generator_step,
+)
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
@@ -127,17 +128,6 @@ def distill_recipe(args, teacher, autocast):
                          gen_shift=gen_shift, score_shift=args.score_shift or gen_shift, real_guidance=guidance,
                          guidance_interval=tuple(args.guidance_interval), min_sigma=args.min_sigma,
                          max_sigma=args.max_sigma, gan_weight=args.gan_weight, gan_d_weight=args.gan_d_weight)
-
-
-@dataclass(frozen=True)
-class DistillLearner:
-    """What the loop trains: the networks (trainer/distillation.Networks), each trained one's optimizer by name
-    ("generator", "fake_score", "gan_head"), the generator's EMA (or None), and what the losses read."""
-    nets: Networks
-    optimizers: dict
-    ema: EMA
-    components: object
-    recipe: DistillRecipe
 
 
 def networks(args, source, info, precision, log):

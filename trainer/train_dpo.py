@@ -28,7 +28,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -58,8 +57,8 @@ from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
 from trainer.position import Position  # noqa: E402
 from trainer.preference import (  # noqa: E402
-    DPORecipe, PairRounds, Reference, adapters_off_reference, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt,
-    refresh_pool,
+    DPOLearner, DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference,
+    pairs_per_prompt, refresh_pool,
 )
 from trainer.previews import Previews, step_zero  # noqa: E402
 from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
@@ -157,20 +156,6 @@ def policy(args, source, precision, info):
         if net is not None:
             net.gradient_checkpointing = bool(args.gradient_checkpointing)
     return model, reference
-
-
-@dataclass(frozen=True)
-class DPOLearner:
-    """What the loop trains: the policy, and the policy as its processes train it (`train_model`: DDP, or itself on
-    one process and under FSDP), the frozen reference (preference.Reference), the optimizer, the EMA (or None),
-    and what the loss reads."""
-    model: torch.nn.Module
-    train_model: torch.nn.Module
-    reference: Reference
-    optimizer: torch.optim.Optimizer
-    ema: EMA
-    components: object
-    recipe: DPORecipe
 
 
 def main(argv=None):
