@@ -127,9 +127,22 @@ def load_torch(path):
     """A resume file, weights_only: a file holding pickled objects is refused (one line). Memory-mapped: its
     tensors are read as they are used (copied into the run's own), never the whole file at once."""
     try:
+        allow_optimizer_states(path)
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except UserError:
+        raise
     except Exception as e:  # a pickled object, or a foreign file
         raise CheckpointError(f"cannot read {path}: {str(e).splitlines()[0][:200]}") from None
+
+
+def allow_optimizer_states(path):
+    """A resume file of --optimizer adamw8bit holds torchao's 8-bit optimizer states, a tensor class that torchao
+    lists as safe for weights_only loads once imported: imported here when the file needs it (and only then, it
+    takes seconds), before any optimizer of the run exists."""
+    if any(name.startswith("torchao.optim.") for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)):
+        from model.precision import import_torchao
+
+        import_torchao(f"{path} (8-bit optimizer state)")
 
 
 def load_safetensors(path):

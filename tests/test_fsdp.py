@@ -25,7 +25,7 @@ from model.model_sd3light import SD3Light, preset_config
 from trainer.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
-from trainer.trainer_utils import leaves
+from trainer.trainer_utils import leaves, map_leaves
 
 from tests.scripts import run, run_in_process
 from tests.conftest import children, launch, uncommitted, wait_for_step
@@ -37,7 +37,9 @@ RECIPE = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--warmup_steps", 
           "--ema_decay", "0.9", "--prediction", "v", "--sample_interval", "0", "--sample_steps", "1",
           "--save_dtype", "fp32", "--save_interval", "100", "--log_sample_ids", "1"]
 MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1": (0, ["--fsdp", "1"]),
-         "ddp2": (2, []), "single": (0, []), "hsdp2": (2, ["--fsdp", "1", "--fsdp_shard_size", "1"])}
+         "ddp2": (2, []), "single": (0, []), "hsdp2": (2, ["--fsdp", "1", "--fsdp_shard_size", "1"]),
+         "fsdp2_8bit": (2, ["--fsdp", "1", "--optimizer", "adamw8bit"]), "ddp2_8bit": (2, ["--optimizer", "adamw8bit"]),
+         "single_8bit": (0, ["--optimizer", "adamw8bit"])}
 
 
 def folders(path):
@@ -150,6 +152,46 @@ def test_resume_on_another_number_of_processes_or_mode_continues_like_ddp(legs, 
     assert sample_ids(mine) == sample_ids(theirs)  # the same data order, through the change
     ids = [i for row in sample_ids(mine) for i in row]
     assert len(ids) == len(set(ids)) == whole_resume_state(mine)["samples_seen"]  # nothing twice, none dropped
+
+
+def shard_bytes(folder):
+    return sum(path.stat().st_size for path in (folder / "ckpt").glob("*.dcp/*.distcp"))
+
+
+def dequantized(state):
+    """A state with torchao's 8-bit optimizer states as the fp32 values they stand for."""
+    return map_leaves(state, lambda path, t: t.dequantize() if hasattr(t, "dequantize") else t)
+
+
+@pytest.mark.slow
+def test_8bit_adamw_under_fsdp_saves_verified_resumes_bitwise_and_finishes(legs):
+    import torchao.optim  # noqa: F401  (its 8-bit state is what the shards hold: torch.load allows it once imported)
+
+    whole, resumed = legs("fsdp2_8bit", 6), legs("fsdp2_8bit", 6, after=("fsdp2_8bit", 3))
+    a, b = whole_resume_state(whole), whole_resume_state(resumed)
+    for key in ("model", "optimizer", "ema", "rng", "step", "samples_seen", "epoch", "consumed"):
+        assert first_difference(a[key], b[key], key) is None, key
+    assert first_difference(exported(whole), exported(resumed)) is None
+    keep = ("step", "loss", "lr", "grad_norm", "sample_ids")
+    assert [{k: r[k] for k in keep} for r in metrics(whole)] == [{k: r[k] for k in keep} for r in metrics(resumed)]
+    # the moments are stored 8-bit: the shards are smaller than fp32 AdamW's (16 -> 10 bytes a parameter)
+    assert shard_bytes(legs("fsdp2_8bit", 3)) < 0.7 * shard_bytes(legs("fsdp2", 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first,then,ref_first,ref_then", [
+    ("single_8bit", "fsdp2_8bit", "single_8bit", "ddp2_8bit"),  # whole 8-bit states cut into shards
+    ("fsdp2_8bit", "single_8bit", "ddp2_8bit", "single_8bit"),  # 8-bit shards read into whole states
+])
+def test_8bit_adamw_resumes_across_sharding_like_ddp(legs, first, then, ref_first, ref_then):
+    import torchao.optim  # noqa: F401
+
+    mine, theirs = legs(then, 6, after=(first, 3)), legs(ref_then, 6, after=(ref_first, 3))
+    # requantised where a process holds another part of a tensor (measured: 1.6e-5 apart after 3 steps)
+    assert_close_states(dequantized(whole_resume_state(mine)), dequantized(whole_resume_state(theirs)), atol=1e-4)
+    assert sample_ids(mine) == sample_ids(theirs)
+    ids = [i for row in sample_ids(mine) for i in row]
+    assert len(ids) == len(set(ids)) == whole_resume_state(mine)["samples_seen"]
 
 
 @pytest.mark.slow

@@ -15,10 +15,10 @@ exported weights (write_export).
 import itertools
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from model.errors import UserError
-from trainer.trainer_utils import leaves, map_leaves
+from trainer.trainer_utils import fresh_like, leaves, map_leaves
 
 
 def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
@@ -28,6 +28,7 @@ def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
     no DDP; under FSDP it is sharded like the rest. A model without transformer blocks is one shard group."""
     blocks = getattr(model, "transformer_blocks", ())
     if compile_blocks:
+        recompiles_said()
         for block in blocks:
             block.forward = torch.compile(block.forward)
     if info.mesh is None:
@@ -40,28 +41,42 @@ def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
         # reduces them (int8 weights could not be broadcast)
         frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
-        return DistributedDataParallel(model)
+        # the buffers (the position table) never change: no broadcast of them before every forward
+        return DistributedDataParallel(model, broadcast_buffers=False)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Every rank starts from rank 0's weights (what DDP does when it wraps): FSDP keeps each rank's own slice, so a
-    # rank that drew other initial weights would silently train a patchwork. The other ranks may hold nothing
-    # (the meta device, trainer/startup.py): they are sharded first, then filled from rank 0's whole tensors.
-    whole = model.state_dict() if info.is_main and info.world_size > 1 else None
+    # rank that drew other initial weights would silently train a patchwork. Rank 0 holds them on the CPU
+    # (info.load_device), the other ranks hold nothing (the meta device, trainer/startup.py): every rank shards a
+    # model with no memory, then rank 0's tensors are broadcast one at a time into the shards, so no GPU ever
+    # holds a whole network it only shards.
+    whole = model.state_dict() if info.is_main else None
+    model.to("meta")
     policy = MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32) if mixed_precision \
         else MixedPrecisionPolicy()
     # reshard_after_forward on the root too: after a no-grad forward (sample grids) no whole copy lingers
     for block in blocks:
         fully_shard(block, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
     fully_shard(model, mesh=info.mesh, mp_policy=policy, reshard_after_forward=True)
-    if info.world_size > 1:
-        from_rank_0(model, whole, info)
+    from_rank_0(model, whole, info)
     return model
+
+
+RECOMPILE_LIMIT = 64
+
+
+def recompiles_said():
+    """The blocks share one compiled forward, recompiled for each kind of block (normal, last, dual attention),
+    weight dtype and bucket shape. Past Dynamo's limit (8) the rest would run uncompiled without a word: the limit
+    is raised to what a run meets, and each recompile is logged with its reason (Dynamo's 'Recompiling' lines)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._logging.set_logs(recompiles=True)
 
 
 @torch.no_grad()
 def from_rank_0(model, whole, info):
-    """Fill a sharded model's shards (and its buffers) from rank 0's whole state dict `whole` (None elsewhere),
-    tensor by tensor: no rank but 0 ever holds more than its shards and one whole tensor."""
+    """Fill a sharded model's shards (and its buffers) from rank 0's whole state dict `whole` (None elsewhere; on
+    the CPU), tensor by tensor: no process holds more on its device than its shards and one whole tensor."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     if any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
@@ -105,12 +120,25 @@ def conform(saved, current):
 
     def fit(path, tensor):
         target = layout.get(path)
-        if isinstance(target, DTensor) and not isinstance(tensor, DTensor):
-            return distribute_tensor(tensor.to(target.device), target.device_mesh, target.placements,
-                                     src_data_rank=None)
-        return tensor
+        return shard_of(tensor, target) if isinstance(target, DTensor) and not isinstance(tensor, DTensor) else tensor
 
     return map_leaves(saved, fit)
+
+
+def shard_of(whole, target):
+    """This process's part of the whole tensor `whole`, as a DTensor laid out as `target`: FSDP's dim-0 rows cut
+    out and copied into a tensor of the type of target's local part. The copy converts: torchao's 8-bit optimizer
+    state is cut by rows and requantised where the saved state was not 8-bit (its state is fp32 below 4096
+    values a process), which distribute_tensor cannot do."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    if tuple(whole.shape) != tuple(target.shape):
+        raise ValueError(f"a saved tensor of shape {tuple(whole.shape)} is of shape {tuple(target.shape)} here")
+    local = fresh_like(target.to_local())
+    local.copy_(whole[offset[0]:offset[0] + shape[0]].to(local.device))
+    return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False, shape=target.shape,
+                              stride=target.stride())
 
 
 class NamedOptimizerState:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from model.checkpoint import CheckpointError
 from model.file_io import file_entry, tensors_equal
-from trainer.trainer_utils import leaves, map_leaves
+from trainer.trainer_utils import fresh_like, leaves, map_leaves
 
 MARK = "__dcp__"  # {MARK: name} stands in the resume file for a tensor kept in the shards
 VERIFY_BYTES = 1 << 30  # read back at most this many bytes per process at a time
@@ -110,7 +110,7 @@ def verify_shards(folder, tensors, world):
         chunk.append(name)
         size += tensors[name].numel() * tensors[name].element_size() // world
         if size >= VERIFY_BYTES or i == len(names) - 1:
-            back = {n: torch.empty_like(tensors[n]) for n in chunk}
+            back = {n: fresh_like(tensors[n]) for n in chunk}
             dcp.load(back, storage_reader=SafeReader(folder))
             bad = bad or next((n for n in chunk if not tensors_equal(local(tensors[n]), local(back[n]))), None)
             chunk, size = [], 0

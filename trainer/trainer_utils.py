@@ -160,3 +160,21 @@ def map_leaves(tree, fn, path=()):
 def to_cpu(obj):
     """A nested state with every tensor on the CPU (what a resume file holds)."""
     return map_leaves(obj, lambda path, tensor: tensor.detach().cpu())
+
+
+def fresh_like(tensor):
+    """A tensor to read `tensor` back into: empty, of its type and layout. torchao's 8-bit optimizer state (a
+    tensor subclass of codes, scales and a code map; a DTensor's local part under FSDP) has no empty_like: it is
+    rebuilt from empty codes and scales, keeping its code map, a constant a load does not write."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if isinstance(tensor, DTensor):
+        return DTensor.from_local(fresh_like(tensor.to_local()), tensor.device_mesh, tensor.placements,
+                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
+    if not is_traceable_wrapper_subclass(tensor):
+        return torch.empty_like(tensor)
+    names, context = tensor.__tensor_flatten__()
+    inner = {name: getattr(tensor, name).clone() if name == "qmap" else fresh_like(getattr(tensor, name))
+             for name in names}
+    return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
