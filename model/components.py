@@ -312,6 +312,8 @@ class SD3Components(nn.Module):
         free the encoders (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
         self.prompt_memo[tuple(prompts)] = self.condition(self.encode_text(prompts))
         self.clip_l = self.clip_g = self.t5 = None
+        if self.device.type == "cuda":  # torch's allocator keeps what they held reserved: give it back to the GPU
+            torch.cuda.empty_cache()
 
     @torch.no_grad()
     def encode(self, images, captions):

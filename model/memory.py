@@ -1,14 +1,15 @@
 """The estimate before the work: a run's peak memory per process, from parameter counts and the sizes of a step,
-and where it exceeds the device (a GPU's memory, or the RAM of a CPU run) a warning naming the levers.
+and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a warning naming the levers.
 
     weights      trained networks 4 bytes a parameter (fp32 masters); frozen ones 2 (bf16), 4 (fp32) or 1 (int8)
     gradients    4 bytes per trained parameter
     optimizer    AdamW 8 bytes per trained parameter, 8-bit AdamW about 2, Muon 4 on the blocks' matrices
     EMA          4 bytes per trained parameter, unless --ema_device cpu keeps it off the GPU
     sharded      (--fsdp 1) weights, gradients, optimizer and EMA divided over the shard group, plus one block
-                 gathered whole
+                 gathered whole; rank 0 holds the whole weights in host memory while it broadcasts them
     activations  what backward keeps, per block about ACTIVATION_WORDS values per token and width (one block's
-                 with --gradient_checkpointing 1, plus each block's input)
+                 with --gradient_checkpointing 1, plus each block's input), in the compute dtype but for the
+                 layer norms' outputs, fp32 under CUDA autocast
     components   the VAE and text encoders as loaded (the text encoders are freed once training reads the cache)
     save         on a CPU, the resume file read back to verify it (the trained weights, optimizer and EMA again)
     runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
@@ -25,6 +26,7 @@ from model.model_sd3light import count_parameters
 
 GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
+CUDA_FP32_WORDS = 2  # of them, the two layer norms' outputs the modulation keeps: fp32 under CUDA autocast (CPU: bf16)
 RUNTIME = {"cpu": 0.6 * GIB, "cuda": 0.8 * GIB}
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06}  # per trained parameter (muon: from the matrices)
 
@@ -33,8 +35,16 @@ def frozen_bytes(frozen_dtype):
     return {"bf16": 2, "fp32": 4, "int8": 1.02}[frozen_dtype]  # int8: one scale a row aside
 
 
+def kept_value_bytes(compute, device_type):
+    """The mean bytes of a value the forward keeps for backward, computing in `compute` ("bf16" or "fp32") on
+    `device_type`: under bf16 autocast 2, but CUDA autocast runs layer norms in fp32, so their outputs are 4."""
+    if compute == "fp32":
+        return 4
+    return 2 + 2 * CUDA_FP32_WORDS / ACTIVATION_WORDS if device_type == "cuda" else 2
+
+
 def activation_bytes(config, batch, resolution, downscale, text_tokens, checkpointing, compute_bytes):
-    """What one micro-batch's forward keeps for backward, in bytes."""
+    """What one micro-batch's forward keeps for backward, in bytes (`compute_bytes`: kept_value_bytes)."""
     side = resolution // downscale // config.patch_size
     tokens = batch * (side * side + text_tokens)
     per_block = ACTIVATION_WORDS * tokens * config.inner_dim * compute_bytes
@@ -85,12 +95,16 @@ def estimate_lines(config, plan, components, precision, info):
     device = info.device
     text = 77 + components.t5_max_length if components.spec["kind"] == "sd3" else components.spec["text_max_length"]
     activations = activation_bytes(config, plan.batch_size, plan.resolution, components.downscale, text,
-                                   plan.checkpointing, 2 if precision.compute == "bf16" else 4)
+                                   plan.checkpointing, kept_value_bytes(precision.compute, device.type))
     shards = info.mesh.shape[-1] if info.sharded else 1
     parts = estimate(config, plan, precision.frozen, shards, activations, module_bytes(components), device.type)
-    line, warning = describe(parts, device_memory(device), "this GPU" if device.type == "cuda" else
+    line, warning = describe(parts, device_memory(device), "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
-    return [line] + ([warning] if warning else [])
+    lines = [line] + ([warning] if warning else [])
+    if info.sharded and device.type == "cuda":  # what stays whole: rank 0's copy, in host memory, not on a GPU
+        lines.append(f"rank 0 loads the whole weights ({parts['weights'] * shards / GIB:.2f} GiB) in host memory and "
+                     "broadcasts them into the shards one tensor at a time")
+    return lines
 
 
 def optimizer_bytes(config, optimizer, trained):
@@ -110,9 +124,10 @@ def module_bytes(module):
 
 
 def device_memory(device):
-    """Bytes of memory the run's device has: a GPU's, or the machine's RAM for a CPU run."""
+    """Bytes of memory the run may use: on a GPU what is free (other processes' memory is not the run's) plus what
+    torch holds reserved for this process already (the components); on a CPU the machine's RAM."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 

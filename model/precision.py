@@ -42,6 +42,21 @@ def cpu_bf16_speedup(width=CHECK_WIDTH, rows=CHECK_ROWS, rounds=CHECK_ROUNDS):
     return fp32 / bf16
 
 
+def native_bf16(device):
+    """Whether the GPU computes bf16 natively (compute capability 8.0 on: A100, RTX 30xx and later); V100 and T4
+    emulate it."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def use_tf32(device):
+    """fp32 matrix products on a GPU in TF32 (10-bit mantissa, on the tensor cores): what stays fp32 under bf16
+    autocast, and fp32 runs unless asked for (--dtype fp32). -> the log line, or None where nothing changed."""
+    if device.type != "cuda":
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    return "fp32 matrix products in TF32 (this GPU's tensor cores)"
+
+
 def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
     """--dtype as what the run computes in -> ("bf16" or "fp32", why). auto: bf16 on a GPU, fp32 on a CPU. fast:
     bf16 on a GPU; on a CPU, bf16 where the check finds it faster, for one process (several processes on one CPU
@@ -49,6 +64,8 @@ def resolve_dtype(dtype, device, several_processes=False, cpu_bf16=True):
     one's check would time), and only where the stage allows it (`cpu_bf16`; see run_precision)."""
     if dtype in ("fp32", "bf16"):
         return dtype, "as asked"
+    if device.type == "cuda" and not native_bf16(device):
+        return "fp32", f"{dtype}: this GPU has no native bf16 (it would be emulated, slower than fp32)"
     if device.type == "cuda":
         return "bf16", f"{dtype} on a GPU"
     if dtype == "auto":
@@ -82,6 +99,8 @@ def resolve_frozen_dtype(frozen, dtype_asked, device, sd3_components):
         return frozen, "as asked"
     if dtype_asked == "fp32":
         return "fp32", "--dtype fp32"
+    if device.type == "cuda" and not native_bf16(device):
+        return "fp32", "this GPU has no native bf16"
     if sd3_components or device.type == "cuda":
         return "bf16", "SD3 components" if sd3_components else "on a GPU"
     return "fp32", "the built-in components on a CPU"
@@ -156,7 +175,7 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
     Precision, with its lines. `resumed`: what the run it resumes computed in, which --dtype fast keeps (its
     trajectory goes on as it began, whatever today's check says)."""
     compute, why = resolve_dtype(dtype, info.device, info.world_size > 1, stage.cpu_bf16)
-    frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
+    frozen, frozen_why = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
     if frozen == "int8" and not stage.frozen_transformer:
         raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage.stage} stage trains "
                         "every weight of its own: use it with trainer/train_lora.py, or drop it")
@@ -172,7 +191,10 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
     if dtype in ("auto", "fast") or why.startswith("the frozen"):
         notes.append(f"computing in {compute} ({why})")
     if stage.frozen_transformer or sd3_components:
-        notes.append(f"frozen networks held in {frozen}")
+        notes.append(f"frozen networks held in {frozen}" + (f" ({frozen_why})" if "GPU" in frozen_why else ""))
+    tf32 = use_tf32(info.device) if dtype != "fp32" else None
+    if tf32:
+        notes.append(tf32)
     if dtype == "fast" and resumed in ("bf16", "fp32") and resumed != compute:
         compute = resumed
         notes.append(f"computing in {resumed}, as the run it resumes did")

@@ -365,6 +365,7 @@ def test_cpu_bf16_check_falls_back_to_fp32_where_bf16_is_slower(monkeypatch):
         assert precision.resolve_dtype("auto", cpu) == ("fp32", "auto on a CPU")  # the default: no check decides
         assert precision.resolve_dtype("fp32", cpu)[0] == "fp32"  # asked for: no check decides
         assert precision.resolve_dtype("bf16", cpu)[0] == "bf16"
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # native bf16
         assert all(precision.resolve_dtype(d, torch.device("cuda"))[0] == "bf16" for d in ("auto", "fast"))
     finally:
         precision.cpu_bf16_speedup.cache_clear()

@@ -75,7 +75,12 @@ class StageParser(argparse.ArgumentParser):
             raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
         if namespace is None:
             namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
-        return super().parse_known_args(argv, namespace)
+        args, rest = super().parse_known_args(argv, namespace)
+        given = vars(args)
+        if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
+            self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
+                       "on each GPU) and gathers it there; leave --ema_device auto")
+        return args, rest
 
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
@@ -106,6 +111,11 @@ finite_float = checked(float, math.isfinite, "a finite number")
 probability = checked(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
 decay = checked(float, lambda v: 0 <= v < 1, "a number from 0 up to (not including) 1")
 switch = checked(int, lambda v: v in (0, 1), "0 or 1")
+
+
+def worker_count(text):
+    """--num_workers: 'auto' or a whole number >= 0."""
+    return text if text == "auto" else non_negative_int(text)
 
 
 def bucket_count(text):
@@ -215,7 +225,8 @@ def add_plumbing_args(parser, data="builtin"):
       "prompts for the built-in data, else 8 captions of the dataset")
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
       "step trained on (to audit the data order across resumes)")
-    a("--num_workers", type=non_negative_int, default=0, help="data loader processes (0 on a small CPU)")
+    a("--num_workers", type=worker_count, default="auto", help="data loader processes; auto = 0 on a CPU (every "
+      "core trains), 4 for each GPU within the cores a process has")
     a("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16"], help="autocast; auto = bf16 on a GPU, "
       "fp32 on a CPU; fast = bf16 on a GPU, and on a CPU where a quick check at start-up finds it faster (native "
       "bf16: AVX512-BF16, AMX) in the stages that allow it (pretrain, SFT, LoRA), else fp32")
@@ -228,6 +239,9 @@ def add_plumbing_args(parser, data="builtin"):
       "after a first step that compiles)")
     a("--fsdp", type=switch, default=0, help="1 = shard weights, gradients and AdamW state over the processes "
       "(FSDP2) instead of a whole copy on each (DDP): for models that do not fit one GPU with their optimizer")
+    a("--dist_timeout", type=positive_float, default=60, help="minutes a process waits for the others in a "
+      "collective before the run fails: under DDP rank 0 alone writes and verifies each save (tens of GB at "
+      "SD3.5-Large size) while the others wait")
     a("--fsdp_shard_size", type=non_negative_int, default=0, help="with --fsdp: shard within groups of this many "
       "processes (e.g. one node's GPUs) and replicate across groups (hybrid sharding); 0 = shard over all")
     a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")

@@ -217,8 +217,8 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
     in order: the latents, the noise, the re-noising, the sigmas and noise of the losses."""
     device = next(nets.generator.parameters()).device
     with torch.no_grad():
-        features = {key: value.to(device) for key, value in batch.items()} if "latents" in batch else \
-            components.encode(batch["image"].to(device), list(batch["caption"]))
+        features = {key: value.to(device, non_blocking=True) for key, value in batch.items()} if "latents" in \
+            batch else components.encode(batch["image"].to(device), list(batch["caption"]))  # pinned: async
         tokens, pooled = components.condition(features)
         real = components.latents(features, rng)
     n = len(real)

@@ -3,6 +3,7 @@ gradient sync decision of accumulated micro-batches, the one all-reduce a step n
 leaving together."""
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -27,12 +28,19 @@ class DistInfo:
     def sharded(self):
         return self.mesh is not None
 
+    @property
+    def load_device(self):
+        """Where rank 0 loads (or draws) a network: the run's device, or under FSDP the CPU, from where each tensor
+        is broadcast into every rank's shards (trainer/parallel.py): no GPU holds a whole network it only shards."""
+        return torch.device("cpu") if self.sharded else self.device
 
-def init_distributed(fsdp=0, shard_size=0):
-    """torchrun sets RANK/WORLD_SIZE: NCCL on CUDA, gloo on CPU. Plain `python` runs as one process. With `fsdp`, a
-    device mesh to shard over: every process holds a shard, or with `shard_size` the processes form groups of
-    that size that shard within and replicate across (hybrid sharding: a group per node). Checked first: a bad
-    size is one line before any work."""
+
+def init_distributed(fsdp=0, shard_size=0, timeout_minutes=60):
+    """torchrun sets RANK/WORLD_SIZE: NCCL on CUDA (bound to this process's GPU), gloo on CPU. Plain `python` runs
+    as one process. With `fsdp`, a device mesh to shard over: every process holds a shard, or with `shard_size`
+    the processes form groups of that size that shard within and replicate across (hybrid sharding: a group per
+    node). Checked first: a bad size is one line before any work. `timeout_minutes`: how long a collective waits
+    for every process (NCCL's own default, 10, is less than rank 0 may take to write and verify a large save)."""
     cuda = torch.cuda.is_available()
     env = "RANK" in os.environ
     rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if env else (0, 0, 1)
@@ -44,10 +52,12 @@ def init_distributed(fsdp=0, shard_size=0):
     device = torch.device((f"cuda:{local_rank}" if env else "cuda") if cuda else "cpu")
     if env and cuda:
         torch.cuda.set_device(local_rank)
+    group = {"backend": "nccl" if cuda else "gloo", "timeout": timedelta(minutes=timeout_minutes),
+             "device_id": device if cuda else None}
     if env:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(**group)
     elif fsdp:  # FSDP on one process: a group of one
-        dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(**group, store=dist.HashStore(), rank=0, world_size=1)
     mesh = None
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -59,12 +69,13 @@ def init_distributed(fsdp=0, shard_size=0):
 
 
 def mean_and_any(values, flag, info):
-    """(the means of a list of floats over ranks, whether `flag` is set on any rank), in one all-reduce."""
-    if info.world_size == 1:
-        return list(values), bool(flag)
-    t = torch.tensor([*values, float(flag)], dtype=torch.float64, device=info.device)
-    dist.all_reduce(t)
-    return [v / info.world_size for v in t[:-1].tolist()], t[-1].item() > 0
+    """(the means over ranks of `values`, numbers or scalar tensors on the device (a step's losses, summed there),
+    whether `flag` is set on any rank), in one all-reduce and one read to the host: the step's one sync."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=info.device) for v in [*values, float(flag)]])
+    if info.world_size > 1:
+        dist.all_reduce(t)
+    *means, flagged = t.tolist()
+    return [v / info.world_size for v in means], flagged > 0
 
 
 def sync_gradients(model, sync):

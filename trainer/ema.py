@@ -29,9 +29,23 @@ class EMA:
     def state_dict(self):
         return self.shadow
 
+    @torch.no_grad()
     def load_state_dict(self, shadow):
-        """The average a resume file holds; None (the run had no EMA so far): start from the source's weights."""
-        self.shadow = shadow if shadow is not None else self.copy_of_source()
+        """The average a resume file holds, copied into the EMA's own tensors (on its device: a resume file's are
+        on the CPU, memory-mapped); strict: the same names. None (the run had no EMA so far): start from the
+        source's weights."""
+        if shadow is None:
+            self.shadow = self.copy_of_source()
+            return
+        if shadow.keys() != self.shadow.keys():
+            missing, unexpected = sorted(self.shadow.keys() - shadow.keys()), sorted(shadow.keys() - self.shadow.keys())
+            raise ValueError(f"the EMA's keys differ: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        for key, value in shadow.items():
+            ours = self.shadow[key]
+            if value.shape != ours.shape:
+                raise ValueError(f"the EMA's {key} is {tuple(value.shape)} in the file, {tuple(ours.shape)} here")
+            if value is not ours:  # a sharded resume reads into the EMA's own tensors
+                ours.copy_(value)
 
     @contextlib.contextmanager
     def swapped_in(self, model):

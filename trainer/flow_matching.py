@@ -44,7 +44,7 @@ def flow_matching_loss(model, components, batch, generator, recipe):
     device = next(model.parameters()).device
     with torch.no_grad():
         if "latents" in batch:  # from the cache
-            features = {k: v.to(device) for k, v in batch.items()}
+            features = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned: async
         else:
             features = components.encode(batch["image"].to(device), list(batch["caption"]))
         # Caption dropout per text encoder, independently (SD3): each is dropped with p ** (1 / encoders), so a

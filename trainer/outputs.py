@@ -8,6 +8,7 @@ from trainer.distributed import leave_together
 from trainer.metrics import MetricsLog
 from trainer.previews import Previews
 from trainer.resume import resume_lines
+from trainer.startup import log_peak
 from trainer.trainer_utils import run_line, stop_message
 
 
@@ -43,6 +44,7 @@ def finish_run(out, components, info, stopped, received):
     out.metrics.close()
     out.checkpointer.position.close()
     leave_together(info)
+    log_peak(info, "the run", out.metrics.log)
     warn_truncated(components, info, out.metrics.log)
     position = out.checkpointer.position
     out.metrics.log(stop_message(received, position.step) if stopped else

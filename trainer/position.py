@@ -14,6 +14,7 @@ the run started with (plan_batch), so a resume with another number of processes 
 the same schedule.
 """
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -25,13 +26,26 @@ from model.errors import UserError
 from trainer.trainer_utils import ignore_sigint, rng_state, set_rng_state, to_cpu
 
 
+def data_workers(requested, device):
+    """--num_workers: a number of data loader processes, or auto: none on a CPU (every core trains, and a worker
+    would take one from it), else 4 for each GPU's process, within the cores a process has."""
+    if requested != "auto":
+        return int(requested)
+    if device.type == "cpu":
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_process = cores // max(1, torch.cuda.device_count())
+    return max(0, min(4, per_process - 1))
+
+
 class Position:
     """The position of a run over `dataset` in micro-batches of `batch_size`, `accumulation_steps` a step on each of
-    info's processes (the module's docstring shows its use). `num_workers`: data loader processes."""
+    info's processes (the module's docstring shows its use). `num_workers`: data loader processes, or "auto"
+    (data_workers)."""
 
     def __init__(self, dataset, resolution, batch_size, accumulation_steps, seed, info, num_workers=0):
         self.dataset, self.batch_size, self.accumulation_steps = dataset, batch_size, accumulation_steps
-        self.seed, self.info, self.num_workers = seed, info, num_workers
+        self.seed, self.info, self.num_workers = seed, info, data_workers(num_workers, info.device)
         self.global_batch = batch_size * accumulation_steps * info.world_size
         if len(dataset) < self.global_batch:
             raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
@@ -77,6 +91,7 @@ class Position:
             batches = self.sampler.rank_batches(self.epoch, self.consumed, self.batch_size, self.global_batch)
             self.loader = zip(batches, torch.utils.data.DataLoader(
                 epoch_view(self.dataset, self.epoch), batch_sampler=batches, num_workers=self.num_workers,
+                pin_memory=self.info.device.type == "cuda",  # page-locked batches: their copy does not block
                 worker_init_fn=ignore_sigint, generator=torch.Generator().manual_seed(self.seed)))
         self.step, self.ids = self.step + 1, []
         return self._micro_batches()

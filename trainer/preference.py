@@ -107,7 +107,7 @@ class DPOLearner:
 def pair_batch_features(components, batch, device):
     """A micro-batch of pairs -> their features: read from the cache, or encoded now."""
     if "chosen_latents" in batch:
-        return {k: v.to(device) for k, v in batch.items()}
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned: async
     return encode_pairs(components, batch["chosen"].to(device), batch["rejected"].to(device), batch["caption"])
 
 

@@ -12,8 +12,8 @@ memory at a time: the components, the data and its cache (the text encoders then
 start_weights_source reads the record of the weights a stage starts from (nothing of them loaded yet);
 stage_data builds what the steps read (dataset/training_data.py's pieces) and the validation images;
 load_network fills a network from the files in its dtype on the device (model/loading.py): what trains in fp32,
-what is frozen in --frozen_dtype (int8: block by block). In a sharded run the other ranks keep theirs on the meta
-device: rank 0's weights fill their shards (trainer/parallel.py).
+what is frozen in --frozen_dtype (int8: block by block). In a sharded run rank 0 loads on the CPU and the other
+ranks keep theirs on the meta device: rank 0's weights fill every rank's shards (trainer/parallel.py).
 """
 from dataclasses import dataclass, replace
 
@@ -98,10 +98,10 @@ def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
 def load_network(source, role, frozen_dtype, info):
     """The transformer of `source` (start_weights_source's) as `role` says: "trained" in fp32, "frozen" in
     `frozen_dtype` (int8: quantised block by block as it loads) with no weight requiring grad, on info's device;
-    on a sharded run's other ranks on the meta device, for rank 0's weights to fill its shards."""
+    in a sharded run on rank 0's CPU and the other ranks' meta device, for rank 0's weights to fill the shards."""
     frozen = role == "frozen"
     int8 = frozen and frozen_dtype == "int8"
-    return load_transformer(source, torch_dtype(frozen_dtype) if frozen else torch.float32, info.device,
+    return load_transformer(source, torch_dtype(frozen_dtype) if frozen else torch.float32, info.load_device,
                             meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
                             frozen=frozen)
 
@@ -119,10 +119,16 @@ def adapter_count(config, targets, rank, alpha):
 
 
 def log_peak(info, what, log):
-    """Each process's peak memory so far (GPU: allocated by torch; CPU: resident), measured, beside the estimate."""
-    peak = torch.cuda.max_memory_allocated(info.device) if info.device.type == "cuda" else peak_rss()
+    """Each process's peak memory so far, measured, beside the estimate: on a GPU what torch allocated and what its
+    allocator reserved (what the GPU lost to the run: allocated plus what it keeps cached); on a CPU resident."""
+    if info.device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(info.device), torch.cuda.max_memory_reserved(info.device))
+    else:
+        peak = (peak_rss(),)
     peaks = [peak]
     if info.world_size > 1:
         peaks = [None] * info.world_size
         dist.all_gather_object(peaks, peak)
-    log(f"peak memory after {what}: " + ", ".join(f"{p / 2 ** 30:.2f}" for p in peaks) + " GiB (by rank)")
+    shown = ", ".join(" / ".join(f"{p / 2 ** 30:.2f}" for p in each) for each in peaks)
+    how = " (allocated / reserved)" if info.device.type == "cuda" else ""
+    log(f"peak memory after {what}: {shown} GiB{how} (by rank)")

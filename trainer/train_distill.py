@@ -152,7 +152,8 @@ def main(argv=None):
     check_args(args)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
-    info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("distill", args.preset)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    name = run_name("distill", args.preset)
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -236,7 +237,8 @@ def accumulate(args, batches, learner, generator, k, update):
             sync_gradients(net, micro == args.accumulation_steps - 1)
         losses = distillation_losses(nets, learner.components, batch, generator, k, update, learner.recipe)
         (sum(losses.values()) / args.accumulation_steps).backward()
-        totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+        # on the device: read once a step, after the all-reduce
+        totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
     return totals
 
 

@@ -165,7 +165,7 @@ def main(argv=None):
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
     # prediction: BENCHMARKS.md)
-    info = init_distributed(args.fsdp, args.fsdp_shard_size)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
@@ -257,7 +257,8 @@ def accumulate(args, batches, learner, generator):
         losses = flow_dpo_loss(learner.train_model, learner.reference, learner.components, batch, generator,
                                learner.recipe)
         (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
-        totals = {name: totals.get(name, 0.0) + value.item() for name, value in losses.items()}
+        # on the device: read once a step, after the all-reduce
+        totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
     return totals
 
 

@@ -123,7 +123,8 @@ def main(argv=None):
     (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    info, name = init_distributed(args.fsdp, args.fsdp_shard_size), lora_run_name(args.lora_name, args.preset)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    name = lora_run_name(args.lora_name, args.preset)
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -207,7 +208,7 @@ def accumulate(args, batches, learner, generator):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
         (loss / args.accumulation_steps).backward()
-        total += loss.item()
+        total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
     return total
 
 

@@ -112,7 +112,8 @@ def main(argv=None):
     (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    info, name = init_distributed(args.fsdp, args.fsdp_shard_size), run_name("pretrain", args.preset)
+    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    name = run_name("pretrain", args.preset)
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -136,8 +137,8 @@ def main(argv=None):
                       args.resolution, bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
-    # rank 0 draws the weights (the other ranks of a sharded run hold none: rank 0's fill their shards)
-    model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.device)
+    # rank 0 draws the weights (on the CPU in a sharded run, whose other ranks hold none: rank 0's fill the shards)
+    model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.load_device)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     log_peak(info, "the weights loaded", metrics.log)
 
@@ -187,7 +188,7 @@ def accumulate(args, batches, learner, generator):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
         (loss / args.accumulation_steps).backward()
-        total += loss.item()
+        total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
     return total
 
 
