@@ -32,8 +32,8 @@ if REPO not in sys.path:
 
 from bench.stand_in import write_stand_in  # noqa: E402
 
-QUICK = ["--max_steps", "6", "--save_interval", "3", "--sample_interval", "0", "--sample_steps", "1",
-         "--warmup_steps", "2", "--batch_size", "4"]
+QUICK = ["--max_steps", "6", "--save_interval", "3", "--sample_interval", "0", "--warmup_steps", "2",
+         "--batch_size", "4"]
 START = "{work}/pretrain_ddp/out/pretrain_tiny.json"  # what the fine-tunes start from
 # name: (script, its arguments, needs a GPU, what it checks)
 SCENARIOS = {
@@ -92,7 +92,8 @@ def command(name, work, processes, large):
     folders = ["--out_dir", f"{work}/{name}/out", "--save_dir", f"{work}/{name}/ckpt", "--cache_dir",
                f"{work}/{name}/cache"]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    return launcher + [os.path.join(REPO, "trainer", script), *QUICK, *args, *folders]
+    grid = [] if script == "train_distill.py" else ["--sample_steps", "1"]  # a generator samples in its own steps
+    return launcher + [os.path.join(REPO, "trainer", script), *QUICK, *grid, *args, *folders]
 
 
 def step_seconds(out_dir):
