@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.errors import UserError
+from model.rectified_flow import to_device
 
 
 class PixelAutoencoder(nn.Module):
@@ -95,7 +96,7 @@ class BuiltinTextEncoder(nn.Module):
     @torch.no_grad()
     def forward(self, captions):
         device = self.model.text_projection.weight.device
-        out = self.model(input_ids=self.tokenizer(captions).to(device))
+        out = self.model(input_ids=to_device(self.tokenizer(captions), device))
         return out.last_hidden_state, out.text_embeds
 
 
@@ -323,7 +324,7 @@ class SD3Components(nn.Module):
     def latents(self, features, generator=None):
         """A sample of the latent distribution (the noise from `generator`, so a resumed run draws the same)."""
         mean, std = features["latents"].float(), features["latents_std"].float()
-        return mean + std * torch.randn(mean.shape, generator=generator).to(mean.device)
+        return mean + std * to_device(torch.randn(mean.shape, generator=generator), mean.device)
 
     def condition(self, features, drop=None):
         keep = None if drop is None else (~drop).float()

@@ -49,9 +49,10 @@ def native_bf16(device):
 
 
 def use_tf32(device):
-    """fp32 matrix products on a GPU in TF32 (10-bit mantissa, on the tensor cores): what stays fp32 under bf16
-    autocast, and fp32 runs unless asked for (--dtype fp32). -> the log line, or None where nothing changed."""
-    if device.type != "cuda":
+    """fp32 matrix products on a GPU in TF32 (10-bit mantissa, on the tensor cores of the GPUs that have native
+    bf16 too): what stays fp32 under bf16 autocast, and fp32 runs unless asked for (--dtype fp32). -> the log line,
+    or None where nothing changed."""
+    if device.type != "cuda" or not native_bf16(device):
         return None
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     return "fp32 matrix products in TF32 (this GPU's tensor cores)"
@@ -99,8 +100,6 @@ def resolve_frozen_dtype(frozen, dtype_asked, device, sd3_components):
         return frozen, "as asked"
     if dtype_asked == "fp32":
         return "fp32", "--dtype fp32"
-    if device.type == "cuda" and not native_bf16(device):
-        return "fp32", "this GPU has no native bf16"
     if sd3_components or device.type == "cuda":
         return "bf16", "SD3 components" if sd3_components else "on a GPU"
     return "fp32", "the built-in components on a CPU"
@@ -175,7 +174,7 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
     Precision, with its lines. `resumed`: what the run it resumes computed in, which --dtype fast keeps (its
     trajectory goes on as it began, whatever today's check says)."""
     compute, why = resolve_dtype(dtype, info.device, info.world_size > 1, stage.cpu_bf16)
-    frozen, frozen_why = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
+    frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
     if frozen == "int8" and not stage.frozen_transformer:
         raise UserError(f"--frozen_dtype int8 quantises a frozen transformer, and the {stage.stage} stage trains "
                         "every weight of its own: use it with trainer/train_lora.py, or drop it")
@@ -187,11 +186,13 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
             raise UserError(f"--dtype fp32 with --frozen_dtype {frozen}: a transformer held in {frozen} computes in "
                             "bf16; drop --dtype fp32, or pass --frozen_dtype fp32")
         compute, why = "bf16", f"the frozen transformer is held in {frozen}"
+        if info.device.type == "cuda" and not native_bf16(info.device):
+            why += "; this GPU emulates bf16: --frozen_dtype fp32 computes in fp32 where memory allows"
     notes = []
     if dtype in ("auto", "fast") or why.startswith("the frozen"):
         notes.append(f"computing in {compute} ({why})")
     if stage.frozen_transformer or sd3_components:
-        notes.append(f"frozen networks held in {frozen}" + (f" ({frozen_why})" if "GPU" in frozen_why else ""))
+        notes.append(f"frozen networks held in {frozen}")
     tf32 = use_tf32(info.device) if dtype != "fp32" else None
     if tf32:
         notes.append(tf32)

@@ -11,6 +11,15 @@ from dataclasses import dataclass
 import torch
 
 
+def to_device(tensor, device):
+    """A tensor drawn on the CPU (with a CPU generator: the same random streams on every device, so a run and its
+    resume draw alike) on `device`, without making the host wait: a copy from pageable memory waits for every
+    kernel queued before it, one from page-locked memory does not."""
+    if tensor.device == device:
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+
+
 def shift_sigmas(s, shift):
     """SD3's resolution shift: pushes sigmas towards the noisy end for shift > 1."""
     return shift * s / (1 + (shift - 1) * s)
@@ -82,7 +91,7 @@ def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
     if mask is None:
         per_sample = error.flatten(1).mean(1)
     else:
-        weight = mask_to_latents(mask.to(error.device), error.shape[-2:]).expand_as(error)
+        weight = mask_to_latents(mask.to(error.device, non_blocking=True), error.shape[-2:]).expand_as(error)
         per_sample = (error * weight).flatten(1).sum(1) / weight.flatten(1).sum(1).clamp(min=1e-8)
     s = s.float()
     if weighting == "sigma_sqrt":

@@ -398,6 +398,44 @@ def test_shards_that_do_not_hold_what_the_run_has_are_a_one_line_error(tmp_path)
     assert first_difference(model.state_dict(), fresh.state_dict()) is None  # read straight into the run's tensors
 
 
+def eight_bit(shape, seed):
+    """torchao's 8-bit optimizer state of `shape`, holding seeded random values."""
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    state = OptimState8bit.zeros(shape, True, 256)
+    state.copy_(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+    return state
+
+
+def shard_unaligned_8bit_state(rank, folder):
+    """A whole 8-bit state whose halves do not fall on its 256-value blocks (38 x 384: SD3.5-Large's norm bias on 2
+    GPUs is alike), cut into this rank's shard; then the shards written."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from trainer.parallel import shard_of
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
+    try:
+        whole = eight_bit((38, 384), 0)
+        target = distribute_tensor(torch.zeros(38, 384), init_device_mesh("cpu", (2,)), [Shard(0)])
+        shard = shard_of(whole, target)  # 19 rows a rank: 7296 values, torchao's slice refuses them
+        assert torch.equal(shard.to_local(), whole.dequantize()[19 * rank:19 * (rank + 1)])
+        dcp.save({"m": shard}, storage_writer=FileSystemWriter(os.path.join(folder, "shards")))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_8bit_states_change_sharding_where_their_blocks_do_not_line_up(tmp_path):
+    torch.multiprocessing.spawn(shard_unaligned_8bit_state, args=(str(tmp_path),), nprocs=2, join=True)
+    whole = eight_bit((38, 384), 1)  # a one-process run's 8-bit state reads the two shards (read as fp32, requantised)
+    read_shards(str(tmp_path / "shards"), {"m": {"__dcp__": "m"}}, {"m": whole}, "run.json")
+    assert type(whole).__name__ == "OptimState8bit"
+    expected = eight_bit((38, 384), 0).dequantize()
+    assert torch.allclose(whole.dequantize(), expected, rtol=0.02, atol=1e-6)
+
+
 def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_path, monkeypatch):
     from trainer import sharded_checkpoint
     from trainer.distributed import DistInfo

@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 import trainer.train_pretrain as train_pretrain
-from model import memory, precision
+from model import memory
 from model.components import SD3Components
 from model.precision import StagePrecision, resolve_dtype, resolve_frozen_dtype, run_precision, use_tf32
+from model.rectified_flow import to_device
 from trainer import parallel, startup
 from trainer.distributed import DistInfo, init_distributed, mean_and_any
 from trainer.ema import EMA
@@ -34,23 +35,29 @@ def test_bf16_only_where_the_gpu_has_it_natively(monkeypatch, capability, expect
         assert compute == expected, (asked, why)
         assert ("no native bf16" in why) == (expected == "fp32")
     assert resolve_dtype("bf16", CUDA) == ("bf16", "as asked")  # asked for: taken, emulated or not
-    assert resolve_frozen_dtype("auto", "auto", CUDA, True)[0] == expected
+    assert resolve_frozen_dtype("auto", "auto", CUDA, True)[0] == "bf16"  # stored in bf16 on any GPU: the memory
 
 
-def test_a_gpu_without_native_bf16_says_so_and_keeps_every_network_in_fp32(monkeypatch):
+def test_a_gpu_without_native_bf16_computes_in_fp32_unless_a_frozen_transformer_is_held_in_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
-    monkeypatch.setattr(precision, "use_tf32", lambda device: None)
     info = DistInfo(device=CUDA)
-    result = run_precision("auto", "auto", StagePrecision("lora", frozen_transformer=True), info, True)
-    assert (result.compute, result.frozen) == ("fp32", "fp32")
-    assert any("no native bf16" in line for line in result.notes)
+    pretrain = run_precision("auto", "auto", StagePrecision("pretrain"), info, True)
+    assert (pretrain.compute, pretrain.frozen) == ("fp32", "bf16")  # the VAE and text encoders stored in bf16
+    assert any("no native bf16" in line for line in pretrain.notes)
+    assert not any("TF32" in line for line in pretrain.notes)  # no tensor cores for it either
+    lora = run_precision("auto", "auto", StagePrecision("lora", frozen_transformer=True), info, True)
+    assert (lora.compute, lora.frozen) == ("bf16", "bf16")  # a bf16 base computes in bf16: said, with the way out
+    assert any("emulates bf16: --frozen_dtype fp32" in line for line in lora.notes)
 
 
-def test_tf32_for_fp32_matrix_products_on_a_gpu_only(monkeypatch):
+def test_tf32_for_fp32_matrix_products_on_gpus_that_have_it(monkeypatch):
     before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         assert use_tf32(torch.device("cpu")) is None and not torch.backends.cuda.matmul.allow_tf32
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 0))
+        assert use_tf32(CUDA) is None and not torch.backends.cuda.matmul.allow_tf32  # a V100: none
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
         assert "TF32" in use_tf32(CUDA)
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
@@ -173,6 +180,16 @@ def test_an_ema_resumes_into_its_own_tensors_strictly():
         ema.load_state_dict({"weight": saved["weight"]})
     with pytest.raises(ValueError, match=r"\(2, 3\) here"):
         ema.load_state_dict({**saved, "weight": torch.zeros(3, 2)})
+
+
+def test_random_draws_reach_the_gpu_without_making_the_host_wait(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: calls.append("pin") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: calls.append((args, kwargs)) or t)
+    drawn = torch.ones(2)
+    assert to_device(drawn, CUDA) is drawn and calls == ["pin", ((CUDA,), {"non_blocking": True})]
+    calls.clear()
+    assert to_device(drawn, torch.device("cpu")) is drawn and calls == []  # already there: no copy
 
 
 def test_the_logged_losses_are_read_once_a_step():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.rectified_flow import (
-    add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas, with_unconditional,
+    add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas, to_device, with_unconditional,
 )
 
 
@@ -149,11 +149,11 @@ def generate(nets, noise, text, k, rng, recipe, grad):
     next sigma with fresh noise), then its step k, with gradients if `grad` -> x0 of step k (fp32). `text`: the
     (tokens, pooled) it is conditioned on."""
     x, (tokens, pooled), prediction, dtype = noise, text, recipe.prediction, recipe.autocast
-    sigmas = generator_sigmas(recipe.gen_steps, recipe.gen_shift).to(noise.device)
+    sigmas = to_device(generator_sigmas(recipe.gen_steps, recipe.gen_shift), noise.device)
     with torch.no_grad():
         for j in range(k):
             x0 = predict_x0(nets.generator, x, tokens, pooled, sigmas[j].expand(len(x)), prediction, dtype)
-            x = add_noise(x0, torch.randn(x.shape, generator=rng).to(x.device), sigmas[j + 1].expand(len(x)))
+            x = add_noise(x0, to_device(torch.randn(x.shape, generator=rng), x.device), sigmas[j + 1].expand(len(x)))
     with torch.set_grad_enabled(grad):
         return predict_x0(nets.generator_train if grad else nets.generator, x, tokens, pooled,
                           sigmas[k].expand(len(x)), prediction, dtype)
@@ -218,21 +218,21 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
     device = next(nets.generator.parameters()).device
     with torch.no_grad():
         features = {key: value.to(device, non_blocking=True) for key, value in batch.items()} if "latents" in \
-            batch else components.encode(batch["image"].to(device), list(batch["caption"]))  # pinned: async
+            batch else components.encode(batch["image"].to(device, non_blocking=True), list(batch["caption"]))
         tokens, pooled = components.condition(features)
         real = components.latents(features, rng)
     n = len(real)
-    noise = torch.randn(real.shape, generator=rng).to(device)
+    noise = to_device(torch.randn(real.shape, generator=rng), device)
     x0_gen = generate(nets, noise, (tokens, pooled), k, rng, recipe, grad=update_generator)
     losses = {}
     if update_generator:
-        s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
-        noise = torch.randn(real.shape, generator=rng).to(device)
+        s = to_device(score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng), device)
+        noise = to_device(torch.randn(real.shape, generator=rng), device)
         losses["dmd"] = dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
         if nets.head is not None:
             losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
-    s = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng).to(device)
-    noise = torch.randn(real.shape, generator=rng).to(device)
+    s = to_device(score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng), device)
+    noise = to_device(torch.randn(real.shape, generator=rng), device)
     losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, (tokens, pooled), s, noise, recipe)
     if gan_d is not None:
         losses["gan_d"] = gan_d

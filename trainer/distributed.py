@@ -49,23 +49,35 @@ def init_distributed(fsdp=0, shard_size=0, timeout_minutes=60):
     if shard_size and world % shard_size:
         raise UserError(f"--fsdp_shard_size {shard_size} does not divide the {world} process(es): use a divisor of "
                         f"{world}, e.g. the GPUs of one node, or 0 to shard over all")
-    device = torch.device((f"cuda:{local_rank}" if env else "cuda") if cuda else "cpu")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")  # with its index: NCCL binds to it
     if env and cuda:
         torch.cuda.set_device(local_rank)
-    group = {"backend": "nccl" if cuda else "gloo", "timeout": timedelta(minutes=timeout_minutes),
-             "device_id": device if cuda else None}
+    timeout = timedelta(minutes=timeout_minutes)
+    group = {"backend": "nccl" if cuda else "gloo", "timeout": timeout, "device_id": device if cuda else None}
     if env:
         dist.init_process_group(**group)
     elif fsdp:  # FSDP on one process: a group of one
         dist.init_process_group(**group, store=dist.HashStore(), rank=0, world_size=1)
-    mesh = None
-    if fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        groups = world // shard_size if shard_size else 1
-        mesh = init_device_mesh(device.type, (groups, world // groups), mesh_dim_names=("replicate", "shard")) \
-            if groups > 1 else init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    mesh = shard_mesh(device, world, shard_size, timeout) if fsdp else None
     return DistInfo(rank, local_rank, world, device, mesh)
+
+
+def shard_mesh(device, world, shard_size, timeout):
+    """The device mesh FSDP shards over: ("shard",) over every process, or with `shard_size` ("replicate",
+    "shard") groups. Hybrid sharding's subgroups are new NCCL communicators, which would wait NCCL's default
+    10 minutes: they are given the run's `timeout` too."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    groups = world // shard_size if shard_size else 1
+    if groups == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    override = None
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        override = {"replicate": ("nccl", options), "shard": ("nccl", options)}
+    return init_device_mesh(device.type, (groups, world // groups), mesh_dim_names=("replicate", "shard"),
+                            backend_override=override)
 
 
 def mean_and_any(values, flag, info):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas
+from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas, to_device
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,17 +46,17 @@ def flow_matching_loss(model, components, batch, generator, recipe):
         if "latents" in batch:  # from the cache
             features = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned: async
         else:
-            features = components.encode(batch["image"].to(device), list(batch["caption"]))
+            features = components.encode(batch["image"].to(device, non_blocking=True), list(batch["caption"]))
         # Caption dropout per text encoder, independently (SD3): each is dropped with p ** (1 / encoders), so a
         # sample is fully unconditional with probability p (--caption_dropout).
         encoders = len(components.text_encoders)
         p_drop = recipe.caption_dropout ** (1 / encoders)
         drop = torch.rand(len(features["latents"]), encoders, generator=generator) < p_drop
-        tokens, pooled = components.condition(features, drop.to(device))
+        tokens, pooled = components.condition(features, to_device(drop, device))
         latents = components.latents(features, generator)
-    noise = torch.randn(latents.shape, generator=generator).to(device)
-    s = sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
-                      shift=recipe.train_shift, generator=generator).to(device)
+    noise = to_device(torch.randn(latents.shape, generator=generator), device)
+    s = to_device(sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
+                                shift=recipe.train_shift, generator=generator), device)
     dtype = recipe.autocast
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, recipe.prediction)

@@ -128,15 +128,19 @@ def conform(saved, current):
 def shard_of(whole, target):
     """This process's part of the whole tensor `whole`, as a DTensor laid out as `target`: FSDP's dim-0 rows cut
     out and copied into a tensor of the type of target's local part. The copy converts: torchao's 8-bit optimizer
-    state is cut by rows and requantised where the saved state was not 8-bit (its state is fp32 below 4096
-    values a process), which distribute_tensor cannot do."""
+    state is cut by rows (on its blocks, else dequantised first) and requantised where the saved state was not
+    8-bit (its state is fp32 below 4096 values a process), which distribute_tensor cannot do."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     if tuple(whole.shape) != tuple(target.shape):
         raise ValueError(f"a saved tensor of shape {tuple(whole.shape)} is of shape {tuple(target.shape)} here")
-    local = fresh_like(target.to_local())
-    local.copy_(whole[offset[0]:offset[0] + shape[0]].to(local.device))
+    local, rows = fresh_like(target.to_local()), slice(offset[0], offset[0] + shape[0])
+    try:
+        piece = whole[rows]
+    except ValueError:  # torchao cuts 8-bit state on its 256-value blocks only: elsewhere, the fp32 it stands for
+        piece = whole.dequantize()[rows]
+    local.copy_(piece.to(local.device))
     return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False, shape=target.shape,
                               stride=target.stride())
 

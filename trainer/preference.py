@@ -22,7 +22,7 @@ from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
-from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas
+from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas, to_device
 
 
 DRAW_BATCH = 256  # images sampled at once while drawing a round
@@ -108,7 +108,8 @@ def pair_batch_features(components, batch, device):
     """A micro-batch of pairs -> their features: read from the cache, or encoded now."""
     if "chosen_latents" in batch:
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned: async
-    return encode_pairs(components, batch["chosen"].to(device), batch["rejected"].to(device), batch["caption"])
+    return encode_pairs(components, batch["chosen"].to(device, non_blocking=True),
+                        batch["rejected"].to(device, non_blocking=True), batch["caption"])  # pinned: async
 
 
 def dpo_inside(errors, reference_errors, beta):
@@ -129,9 +130,9 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
         tokens, pooled = components.condition(features)
         chosen = components.latents(side(features, "chosen"), generator)
         rejected = components.latents(side(features, "rejected"), generator)
-    noise = torch.randn(chosen.shape, generator=generator).to(device)
-    s = sample_sigmas(len(chosen), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
-                      shift=recipe.train_shift, generator=generator).to(device)
+    noise = to_device(torch.randn(chosen.shape, generator=generator), device)
+    s = to_device(sample_sigmas(len(chosen), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
+                                shift=recipe.train_shift, generator=generator), device)
     x0, noise, s = torch.cat([chosen, rejected]), torch.cat([noise, noise]), torch.cat([s, s])
     tokens, pooled, x_t = torch.cat([tokens, tokens]), torch.cat([pooled, pooled]), add_noise(x0, noise, s)
     target = (noise - x0).float()

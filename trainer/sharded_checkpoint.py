@@ -13,6 +13,7 @@ DCP's own metadata classes and nothing else. The commit is model/checkpoint.py's
 read back, compared and hashed on every rank, and only then does rank 0 write the manifest naming them all.
 Loading reshards: the shards are read into the layout the run has now (other process counts, FSDP or not).
 """
+import math
 import os
 import pickle
 import sys
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageMeta
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model.checkpoint import CheckpointError
 from model.file_io import file_entry, tensors_equal
@@ -134,12 +136,55 @@ def read_shards(folder, saved, current, where):
                  for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
         raise CheckpointError(f"{where} does not fit this run; " + "; ".join(parts))
     try:
+        targets = read_targets(wanted, SafeReader(folder).read_metadata().state_dict_metadata)
         with warnings.catch_warnings():  # one process reading every shard is meant: DCP warns of it
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(wanted, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())
+            dcp.load(targets, storage_reader=SafeReader(folder), no_dist=not dist.is_initialized())
     except (CheckpointException, OSError, RuntimeError, ValueError, pickle.UnpicklingError) as e:
         raise CheckpointError(f"cannot read the shards in {folder}: {one_line(e)}") from None
+    for name, target in targets.items():
+        if target is not wanted[name]:  # read as fp32: requantised into the run's 8-bit state
+            local(wanted[name]).copy_(local(target))
     return join_tensors(saved, wanted)
+
+
+def read_targets(wanted, stored):
+    """-> {name: what DCP reads into}: the run's own tensor, or, for a tensor subclass (torchao's 8-bit optimizer
+    state) that DCP would have to cut off its 256-value blocks (another number of processes, a shard of rows that
+    does not end on a block), an fp32 tensor of its layout, whose values the state then requantises. `stored`:
+    the shards' metadata, {name: its chunks}."""
+    targets = {}
+    for name, tensor in wanted.items():
+        targets[name] = tensor
+        if is_traceable_wrapper_subclass(local(tensor)) and not cut_on_blocks(tensor, stored[name].chunks):
+            values = torch.empty(local(tensor).shape, dtype=torch.float32, device=local(tensor).device)
+            targets[name] = DTensor.from_local(values, tensor.device_mesh, tensor.placements, run_check=False,
+                                               shape=tensor.shape, stride=tensor.stride()) \
+                if isinstance(tensor, DTensor) else values
+    return targets
+
+
+def cut_on_blocks(tensor, chunks, block=256):
+    """Whether every piece DCP reads into this process's part of `tensor` from the saved `chunks` (row ranges)
+    begins and ends on a block of `block` values, in the part and in the chunk alike."""
+    (start, *_), (rows, *rest) = chunk_of(tensor)
+    row, end = math.prod(rest), start + rows
+    for chunk in chunks:
+        first, last = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+        low, high = max(start, first), min(end, last)
+        if low < high and any(x * row % block for x in (low - start, high - start, low - first, high - first)):
+            return False
+    return True
+
+
+def chunk_of(tensor):
+    """(offsets, sizes) of the part of `tensor` this process holds: a DTensor's shard, or all of it."""
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
 
 
 def one_line(error):
