@@ -100,6 +100,17 @@ def assert_close_states(a, b, atol=1e-5):
     assert a["step"] == b["step"] and a["samples_seen"] == b["samples_seen"]
 
 
+def assert_resumed_bitwise(whole, resumed):
+    """The run folder `resumed` (stopped and resumed) holds bitwise what the uninterrupted `whole` does: the
+    trained state, the random streams, the data position, the export and the metric rows."""
+    a, b = whole_resume_state(whole), whole_resume_state(resumed)
+    for key in ("model", "optimizer", "ema", "rng", "step", "samples_seen", "epoch", "consumed"):
+        assert first_difference(a[key], b[key], key) is None, key
+    assert first_difference(exported(whole), exported(resumed)) is None
+    keep = ("step", "loss", "lr", "grad_norm", "sample_ids")
+    assert [{k: r[k] for k in keep} for r in metrics(whole)] == [{k: r[k] for k in keep} for r in metrics(resumed)]
+
+
 def sample_ids(folder):
     return [row["sample_ids"] for row in metrics(folder)]
 
@@ -131,12 +142,7 @@ def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
 @pytest.mark.slow
 def test_an_fsdp_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(legs):
     whole, resumed = legs("fsdp2", 6), legs("fsdp2", 6, after=("fsdp2", 3))
-    a, b = whole_resume_state(whole), whole_resume_state(resumed)
-    for key in ("model", "optimizer", "ema", "rng", "step", "samples_seen", "epoch", "consumed"):
-        assert first_difference(a[key], b[key], key) is None, key
-    assert first_difference(exported(whole), exported(resumed)) is None
-    keep = ("step", "loss", "lr", "grad_norm", "sample_ids")
-    assert [{k: r[k] for k in keep} for r in metrics(whole)] == [{k: r[k] for k in keep} for r in metrics(resumed)]
+    assert_resumed_bitwise(whole, resumed)
 
 
 @pytest.mark.slow
@@ -168,12 +174,7 @@ def test_8bit_adamw_under_fsdp_saves_verified_resumes_bitwise_and_finishes(legs)
     import torchao.optim  # noqa: F401  (its 8-bit state is what the shards hold: torch.load allows it once imported)
 
     whole, resumed = legs("fsdp2_8bit", 6), legs("fsdp2_8bit", 6, after=("fsdp2_8bit", 3))
-    a, b = whole_resume_state(whole), whole_resume_state(resumed)
-    for key in ("model", "optimizer", "ema", "rng", "step", "samples_seen", "epoch", "consumed"):
-        assert first_difference(a[key], b[key], key) is None, key
-    assert first_difference(exported(whole), exported(resumed)) is None
-    keep = ("step", "loss", "lr", "grad_norm", "sample_ids")
-    assert [{k: r[k] for k in keep} for r in metrics(whole)] == [{k: r[k] for k in keep} for r in metrics(resumed)]
+    assert_resumed_bitwise(whole, resumed)
     # the moments are stored 8-bit: the shards are smaller than fp32 AdamW's (16 -> 10 bytes a parameter)
     assert shard_bytes(legs("fsdp2_8bit", 3)) < 0.7 * shard_bytes(legs("fsdp2", 3))
 
