@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from model.errors import UserError
-from trainer.trainer_utils import fresh_like, leaves, map_leaves
+from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
 
 def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
@@ -130,9 +130,7 @@ def shard_of(whole, target):
     out and copied into a tensor of the type of target's local part. The copy converts: torchao's 8-bit optimizer
     state is cut by rows (on its blocks, else dequantised first) and requantised where the saved state was not
     8-bit (its state is fp32 below 4096 values a process), which distribute_tensor cannot do."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    offset, shape = chunk_of(target)
     if tuple(whole.shape) != tuple(target.shape):
         raise ValueError(f"a saved tensor of shape {tuple(whole.shape)} is of shape {tuple(target.shape)} here")
     local, rows = fresh_like(target.to_local()), slice(offset[0], offset[0] + shape[0])

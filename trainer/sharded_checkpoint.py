@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model.checkpoint import CheckpointError
 from model.file_io import file_entry, tensors_equal
-from trainer.trainer_utils import fresh_like, leaves, map_leaves
+from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
 MARK = "__dcp__"  # {MARK: name} stands in the resume file for a tensor kept in the shards
 VERIFY_BYTES = 1 << 30  # read back at most this many bytes per process at a time
@@ -176,15 +176,6 @@ def cut_on_blocks(tensor, chunks, block=256):
             return False
     return True
 
-
-def chunk_of(tensor):
-    """(offsets, sizes) of the part of `tensor` this process holds: a DTensor's shard, or all of it."""
-    if not isinstance(tensor, DTensor):
-        return (0,) * tensor.dim(), tuple(tensor.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(offset), tuple(shape)
 
 
 def one_line(error):

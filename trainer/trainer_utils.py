@@ -178,3 +178,15 @@ def fresh_like(tensor):
     inner = {name: getattr(tensor, name).clone() if name == "qmap" else fresh_like(getattr(tensor, name))
              for name in names}
     return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+
+
+def chunk_of(tensor):
+    """(offsets, sizes) of the part of `tensor` this process holds: a DTensor's shard, or all of it."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return (0,) * tensor.dim(), tuple(tensor.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
