@@ -90,7 +90,7 @@ def full_fine_tune(stand_ins, work, optimizer, processes=1):
 def optimizer_bytes_per_parameter(save_dir):
     """The optimizer state in the run's resume file, in bytes per trained parameter (8-bit state counted by its
     codes and scales)."""
-    from model.checkpoint import load_torch
+    from model.checkpoint import load_torch, state_bytes
     from model.precision import import_torchao
 
     import_torchao("reading 8-bit optimizer state")  # it declares its state's class safe for weights_only loading
@@ -99,19 +99,7 @@ def optimizer_bytes_per_parameter(save_dir):
     state = load_torch(os.path.join(save_dir, f"sft_base_resume.step{record['step']:08d}.pt"))
     params = sum(t.numel() for t in state["model"].values() if t.is_floating_point()) - \
         state["model"]["pos_embed.pos_embed"].numel()  # a buffer, not trained
-    return leaves_bytes(state["optimizer"]["state"]) / params
-
-
-def leaves_bytes(tree):
-    """Bytes of every tensor in a nested state; a tensor subclass (8-bit state) by its inner tensors."""
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        if hasattr(tree, "__tensor_flatten__"):
-            return sum(leaves_bytes(getattr(tree, name)) for name in tree.__tensor_flatten__()[0])
-        return tree.numel() * tree.element_size()
-    values = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (list, tuple)) else ()
-    return sum(leaves_bytes(v) for v in values)
+    return state_bytes(state["optimizer"]["state"]) / params
 
 
 def row(name, peak, estimate, target, verdict, note=""):

@@ -13,6 +13,7 @@ moment therefore leaves the last committed save whole, and the next start delete
 behind. Loading checks sizes and hashes against the manifest first, so a truncated or edited file is a
 one-line error instead of a crash deep in torch, and reads torch files with `weights_only=True` only.
 """
+import errno
 import json
 import os
 import re
@@ -22,7 +23,9 @@ import torch
 from safetensors import safe_open
 
 from model.errors import UserError
-from model.file_io import atomic_path, atomic_write_text, file_entry, sha256_of, tensors_equal, write_safetensors
+from model.file_io import (
+    atomic_path, atomic_write_text, drop_pages, file_entry, sha256_of, tensors_equal, write_safetensors,
+)
 
 
 class CheckpointError(UserError):
@@ -43,50 +46,102 @@ def step_file(stem, step, suffix):
     return f"{stem}.step{step:08d}{suffix}"
 
 
-def first_difference(expected, found, where="state"):
-    """The path of the first place where two nested dicts/lists/tensors differ, or None."""
+def first_difference(expected, found, where="state", drop=False):
+    """The path of the first place where two nested dicts/lists/tensors differ, or None. `drop`: `found` is
+    memory-mapped from a file, and each of its tensors' pages is let go once compared (file_io.drop_pages)."""
     if isinstance(expected, torch.Tensor):
-        return None if tensors_equal(expected, found) else where
+        same = tensors_equal(expected, found)
+        if drop and isinstance(found, torch.Tensor):
+            drop_pages(found)
+        return None if same else where
     if isinstance(expected, dict):
         if not isinstance(found, dict) or set(expected) != set(found):
             return f"{where} (keys)"
-        return next((d for k in expected if (d := first_difference(expected[k], found[k], f"{where}[{k!r}]"))), None)
+        return next((d for k in expected if (d := first_difference(expected[k], found[k], f"{where}[{k!r}]", drop))),
+                    None)
     if isinstance(expected, (list, tuple)):
         if not isinstance(found, (list, tuple)) or len(expected) != len(found):
             return f"{where} (length)"
         return next((d for i, (e, f) in enumerate(zip(expected, found))
-                     if (d := first_difference(e, f, f"{where}[{i}]"))), None)
+                     if (d := first_difference(e, f, f"{where}[{i}]", drop))), None)
     return None if expected == found else where
 
 
 def write_torch(path, state):
-    """torch.save, read back with weights_only=True (memory-mapped) and compare everything; -> the manifest entry."""
+    """torch.save (a tensor at a time, from where each lies), read back with weights_only=True, memory-mapped, and
+    compare everything, each tensor's pages let go once compared: the check never holds a second copy of the
+    state. -> the manifest entry."""
     with atomic_path(path) as tmp:
-        torch.save(state, tmp)
-    bad = first_difference(state, torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+        try:
+            torch.save(state, tmp)
+        except RuntimeError as e:  # torch's file writer reports a write that fell short ("unexpected pos ...")
+            raise OSError(errno.EIO, f"the file was not written whole ({' '.join(str(e).split())[:120]})") from None
+    bad = first_difference(state, torch.load(path, map_location="cpu", weights_only=True, mmap=True), drop=True)
     if bad is not None:
         raise RuntimeError(f"{path} read back with a different {bad}")
     return file_entry(path)
 
 
-def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None):
+def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None, cast=False):
     """Write `parts` ({suffix: state}: tensors for a '.safetensors' suffix, any weights-only state for '.pt') as
     this step's files, verify them, then commit the manifest (`record` + the files' sizes and hashes, and the
     entries of files already `written` and verified by others: a sharded run's shard folder) and delete older
-    files. `float_dtype`: the dtype of every floating-point tensor in the '.safetensors' part (the weights).
+    files. `float_dtype`: the dtype of every floating-point tensor in the '.safetensors' part (the weights), which
+    with `cast` they are cast to as they are written. A save the disk cannot take (full, read-only, not
+    writable) is a one-line SaveError naming the folder, the bytes it needed and the last committed checkpoint.
     -> total bytes written."""
     files = dict(written or {})
-    for suffix, payload in parts.items():
-        path = step_file(stem, step, suffix)
-        if suffix.endswith(".safetensors"):
-            declared = float_dtype if suffix == ".safetensors" else None
-            entry = write_safetensors(path, payload, metadata={"step": str(step)}, float_dtype=declared)
-        else:
-            entry = write_torch(path, payload)
-        files[os.path.basename(path)] = entry
-    atomic_write_text(manifest_path(stem), json.dumps({**record, "step": step, "files": files}, indent=2) + "\n")
+    needed = sum(state_bytes(payload, float_dtype if cast and suffix == ".safetensors" else None)
+                 for suffix, payload in parts.items())
+    folder = os.path.dirname(os.path.abspath(stem))
+    if os.path.isdir(folder) and shutil.disk_usage(folder).free < needed:  # the old files go only after the commit
+        raise SaveError(unwritable(stem, OSError(errno.ENOSPC, "not enough free space"), needed))
+    try:
+        for suffix, payload in parts.items():
+            path = step_file(stem, step, suffix)
+            if suffix.endswith(".safetensors"):
+                declared = float_dtype if suffix == ".safetensors" else None
+                entry = write_safetensors(path, payload, {"step": str(step)}, declared, cast and bool(declared))
+            else:
+                entry = write_torch(path, payload)
+            files[os.path.basename(path)] = entry
+        atomic_write_text(manifest_path(stem), json.dumps({**record, "step": step, "files": files}, indent=2) + "\n")
+    except OSError as e:
+        raise SaveError(unwritable(stem, e, needed)) from None
     remove_leftovers(stem)
     return sum(entry["bytes"] for entry in files.values())
+
+
+class SaveError(UserError):
+    """A save the disk could not take: the message is one line, naming what to resume from."""
+
+
+def unwritable(stem, error, needed):
+    """The line for a save under `stem` that failed with the OSError `error` (no space, no permission), needing
+    about `needed` bytes: the folder, the reason, the space there, and the last committed checkpoint."""
+    folder = os.path.dirname(os.path.abspath(stem))
+    free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
+    last = "nothing was committed under this name yet"
+    try:
+        with open(manifest_path(stem), encoding="utf-8") as f:
+            last = f"the last committed one, step {json.load(f)['step']} ({manifest_path(stem)}), is intact"
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return (f"cannot save into {folder}: {error.strerror or error}; this save needs about {needed / 1e6:.0f} MB "
+            f"there ({free / 1e6:.0f} MB free); {last}: make room (or pass another --save_dir / --out_dir) and "
+            "continue with --from_resume 1")
+
+
+def state_bytes(state, float_dtype=None):
+    """The bytes of every tensor in a nested state (a tensor subclass by its inner tensors; floating-point ones as
+    `float_dtype` if given: what a file that casts them holds)."""
+    if isinstance(state, torch.Tensor):
+        if hasattr(state, "__tensor_flatten__") and not isinstance(state, torch.nn.Parameter):
+            return sum(state_bytes(getattr(state, name)) for name in state.__tensor_flatten__()[0])
+        dtype = float_dtype if float_dtype is not None and state.is_floating_point() else state.dtype
+        return state.numel() * dtype.itemsize
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()
+    return sum(state_bytes(value, float_dtype) for value in values)
 
 
 def read_manifest(stem, kind, share=(0, 1)):

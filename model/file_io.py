@@ -1,15 +1,25 @@
 """Atomic file writes: a reader sees the old file or the complete new one, never a partial one. And verified
 safetensors writes (read back and compared), for checkpoints and LoRA files; the feature cache compares its
-shards with the same tensors_equal."""
+shards with the same tensors_equal. Writes and read-backs go a tensor at a time: a save holds what it saves plus
+about one tensor, never a second copy of the whole state."""
 import contextlib
+import ctypes
 import hashlib
 import json
+import mmap
 import os
+import sys
 import tempfile
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+
+# safetensors' names of the dtypes it stores (its format: 8 bytes of header length, a JSON header, the raw data)
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+MADV_DONTNEED = 4  # Linux
 
 
 @contextlib.contextmanager
@@ -77,27 +87,104 @@ def tensors_equal(a, b):
         names, context = a.__tensor_flatten__()
         return type(b) is type(a) and b.__tensor_flatten__() == (names, context) and \
             all(tensors_equal(getattr(a, name), getattr(b, name)) for name in names)
+    b = b.to(a.device)  # a state on the GPU against its read-back copy: one tensor at a time
     if a.is_floating_point():
         nan = a.isnan()
         return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
     return torch.equal(a, b)
 
 
-def write_safetensors(path, tensors, metadata=None, float_dtype=None):
-    """Write, read back (memory-mapped) and compare every tensor; -> the manifest entry. `float_dtype`: the dtype
-    the file declares, which every floating-point tensor must have (no silent fp32/bf16 mix)."""
+def write_safetensors(path, tensors, metadata=None, float_dtype=None, cast=False):
+    """Write a tensor at a time, read back a tensor at a time and compare bytes; -> the manifest entry.
+    `float_dtype`: the dtype the file declares, which every floating-point tensor must have (no silent fp32/bf16
+    mix), or, with `cast`, which each is cast to as it is written (one cast copy at a time)."""
     if not tensors:
         raise RuntimeError(f"refusing to write an empty state dict to {path}")
-    mixed = sorted(k for k, v in tensors.items() if float_dtype and v.is_floating_point() and v.dtype != float_dtype)
+    mixed = sorted(k for k, v in tensors.items() if float_dtype and not cast and v.is_floating_point() and
+                   v.dtype != float_dtype)
     if mixed:
         raise RuntimeError(f"refusing to write {path}: {mixed[0]} is {tensors[mixed[0]].dtype}, not the declared "
                            f"{float_dtype} ({len(mixed)} such tensors)")
+    cast_to = float_dtype if cast else None
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=metadata)
-    with safe_open(path, framework="pt") as f:
-        if set(f.keys()) != set(tensors):
-            raise RuntimeError(f"{path} read back with other keys than were written")
-        bad = next((k for k in tensors if not tensors_equal(tensors[k], f.get_tensor(k))), None)
+        with open(tmp, "wb") as f:
+            f.write(safetensors_header(tensors, metadata, cast_to))
+            for tensor in tensors.values():
+                write_bytes(f, stored(tensor, cast_to))
+    bad = read_back_difference(path, tensors, metadata, cast_to)
     if bad is not None:
         raise RuntimeError(f"{path} read back with a different {bad}")
     return file_entry(path)
+
+
+def stored(tensor, float_dtype=None):
+    """What a file holds of `tensor`: on the CPU, contiguous, a floating-point one cast to `float_dtype` if given."""
+    if float_dtype is not None and tensor.is_floating_point():
+        tensor = tensor.to(float_dtype)
+    return tensor.detach().contiguous().cpu()
+
+
+def raw_bytes(tensor):
+    """A contiguous CPU tensor's bytes, as a flat uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def write_bytes(f, tensor):
+    f.write(memoryview(raw_bytes(tensor).numpy()))
+
+
+def safetensors_header(tensors, metadata, float_dtype=None):
+    """The safetensors header of `tensors` (each floating-point one as `float_dtype` if given), with its length in
+    front: what comes before the data."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        dtype = float_dtype if float_dtype is not None and tensor.is_floating_point() else tensor.dtype
+        size = tensor.numel() * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the data starts on 8 bytes, as safetensors writes it
+    return len(text).to_bytes(8, "little") + text
+
+
+def read_back_difference(path, tensors, metadata, float_dtype=None):
+    """The first name whose dtype, shape or bytes in the file at `path` differ from what `tensors` meant (read a
+    tensor at a time, through the page cache, not mapped into this process), or None. The names and metadata are
+    also read by safetensors itself: the file is one its readers open."""
+    with safe_open(path, framework="pt") as f:
+        if set(f.keys()) != set(tensors) or (f.metadata() or {}) != (metadata or {}):
+            return "set of names or metadata"
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header, start = json.loads(f.read(length)), 8 + length
+        for name, tensor in tensors.items():
+            expected, entry = stored(tensor, float_dtype), header[name]
+            if entry["dtype"] != SAFETENSORS_DTYPES[expected.dtype] or entry["shape"] != list(expected.shape):
+                return name
+            begin, end = entry["data_offsets"]
+            back = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(start + begin)
+            if f.readinto(memoryview(back.numpy())) != end - begin or not torch.equal(back, raw_bytes(expected)):
+                return name
+    return None
+
+
+def drop_pages(tensor):
+    """Hand the memory-mapped file pages under `tensor` (a read-back copy, compared and done with; or a resume
+    file's, copied into the run's own) back to the kernel: they would count as this process's memory until the
+    whole file is unmapped. Only whole pages inside the tensor's storage, which still reads the same (from the
+    file: the pages are clean, never written). Linux only; elsewhere nothing happens."""
+    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+        return
+    if hasattr(tensor, "__tensor_flatten__") and not isinstance(tensor, torch.nn.Parameter):  # torchao's 8-bit state
+        for name in tensor.__tensor_flatten__()[0]:
+            drop_pages(getattr(tensor, name))
+        return
+    storage = tensor.untyped_storage()
+    start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)

@@ -77,12 +77,10 @@ def save_weights(stem, step, model, state, components_state, record, dtype):
     `dtype`, the trained parts of the components, and `record`, which rebuilds both. `state` must fit `model`
     exactly (every parameter and buffer, right shapes): an empty or partial state dict never reaches the disk."""
     check_state_dict(model, state)
-    tensors = {k: v.detach().to(dtype if v.is_floating_point() else v.dtype).contiguous().cpu()
-               for k, v in state.items()}
-    parts = {".safetensors": tensors}
+    parts = {".safetensors": state}  # cast to `dtype` and copied off the GPU a tensor at a time, as written
     if components_state:
-        parts[".components.safetensors"] = {k: v.detach().contiguous().cpu() for k, v in components_state.items()}
-    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts, float_dtype=dtype)
+        parts[".components.safetensors"] = components_state
+    return save_checkpoint(stem, step, {**record, "kind": "weights"}, parts, float_dtype=dtype, cast=True)
 
 
 def check_export(components, prediction, pipeline, single_file):

@@ -132,12 +132,12 @@ def test_weights_in_another_dtype_than_declared_are_refused_before_anything_is_w
 def test_a_write_that_reads_back_wrong_is_caught_and_never_committed(tmp_path, monkeypatch):
     stem = str(tmp_path / "run")
     save_checkpoint(stem, 1, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
-    real_save_file = file_io.save_file
+    real_write_bytes = file_io.write_bytes
 
-    def lossy_save_file(tensors, path, metadata=None):  # a writer that silently changes a value
-        real_save_file({k: v * 0.5 for k, v in tensors.items()}, path, metadata=metadata)
+    def lossy_write_bytes(f, tensor):  # a writer that silently changes a value
+        real_write_bytes(f, tensor * 0.5)
 
-    monkeypatch.setattr(file_io, "save_file", lossy_save_file)  # the verified writer lives in model/file_io.py
+    monkeypatch.setattr(file_io, "write_bytes", lossy_write_bytes)  # the verified writer lives in model/file_io.py
     with pytest.raises(RuntimeError, match="read back with a different w"):
         save_checkpoint(stem, 2, {"kind": "weights"}, {".safetensors": {"w": torch.ones(4)}})
     assert read_manifest(stem, "weights")["step"] == 1  # the previous save is still the committed one

@@ -22,7 +22,6 @@ from model.checkpoint import remove_leftovers, save_checkpoint, step_file
 from model.errors import UserError
 from trainer.parallel import conform
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
-from trainer.trainer_utils import to_cpu
 
 
 def checkpoint_stem(save_dir, name):
@@ -86,7 +85,7 @@ class Checkpointer:
             shards, state["shards"] = write_shards(folder, tensors, self.info), os.path.basename(folder)
         if not self.info.is_main:
             return 0
-        state.update(to_cpu(states))
+        state.update(states)  # torch.save copies GPU tensors to the CPU one at a time as it writes
         manifest = {"kind": "resume", "stage": spec.stage, "preset": spec.arguments["preset"],
                     "samples_seen": position.samples_seen, "world_size": self.info.world_size,
                     "dtype": spec.resolved.get("dtype")}
