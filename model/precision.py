@@ -147,6 +147,7 @@ class Precision:
     compute: str = "fp32"
     frozen: str = "fp32"
     notes: tuple = ()
+    trained: str = "fp32"  # what the trained weights are held in (--trained_dtype)
 
     @property
     def autocast(self):
@@ -169,10 +170,11 @@ class StagePrecision:
     frozen_transformer: bool = False
 
 
-def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resumed=None):
+def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resumed=None, trained="fp32"):
     """--dtype and --frozen_dtype as a run of `stage` (StagePrecision) on info's processes holds them ->
     Precision, with its lines. `resumed`: what the run it resumes computed in, which --dtype fast keeps (its
-    trajectory goes on as it began, whatever today's check says)."""
+    trajectory goes on as it began, whatever today's check says). `trained`: --trained_dtype (a full fine-tune's
+    weights held in bf16 compute under bf16 autocast)."""
     compute, why = resolve_dtype(dtype, info.device, info.world_size > 1, stage.cpu_bf16)
     frozen, _ = resolve_frozen_dtype(frozen_dtype, dtype, info.device, sd3_components)
     if frozen == "int8" and not stage.frozen_transformer:
@@ -188,8 +190,13 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
         compute, why = "bf16", f"the frozen transformer is held in {frozen}"
         if info.device.type == "cuda" and not native_bf16(info.device):
             why += "; this GPU emulates bf16: --frozen_dtype fp32 computes in fp32 where memory allows"
+    if trained == "bf16" and compute == "fp32":
+        if dtype == "fp32":
+            raise UserError("--dtype fp32 with --trained_dtype bf16: weights held in bf16 compute in bf16; drop "
+                            "--dtype fp32, or pass --trained_dtype fp32")
+        compute, why = "bf16", "the trained weights are held in bf16"
     notes = []
-    if dtype in ("auto", "fast") or why.startswith("the frozen"):
+    if dtype in ("auto", "fast") or why.startswith(("the frozen", "the trained")):
         notes.append(f"computing in {compute} ({why})")
     if stage.frozen_transformer or sd3_components:
         notes.append(f"frozen networks held in {frozen}")
@@ -199,4 +206,6 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
     if dtype == "fast" and resumed in ("bf16", "fp32") and resumed != compute:
         compute = resumed
         notes.append(f"computing in {resumed}, as the run it resumes did")
-    return Precision(compute, frozen, tuple(notes))
+    if trained == "bf16":
+        notes.append("trained weights, gradients and optimizer state held in bf16")
+    return Precision(compute, frozen, tuple(notes), trained)

@@ -141,6 +141,20 @@ def add_optimizer_args(parser):
     a("--seed", type=non_negative_int, stage_sets=True)
 
 
+def add_weights_memory_args(parser):
+    """A full fine-tune's memory levers: the trained weights held in bf16, and the step fused into backward."""
+    a = parser.recipe.add_argument
+    a("--trained_dtype", default="fp32", choices=["fp32", "bf16"], help="what the trained weights and their "
+      "gradients are held in; bf16 = 2 bytes a parameter each instead of 4 (and AdamW's moments in bf16 with "
+      "--optimizer adamw), computing under bf16 autocast")
+    a("--stochastic_rounding", type=switch, default=1, help="with --trained_dtype bf16: round each updated weight "
+      "up or down at random in proportion (torchao), so updates smaller than bf16's gap still count on average; 0 = "
+      "to the nearest (such updates are lost)")
+    a("--step_in_backward", type=switch, default=0, help="1 = step each parameter, and free its gradient, as soon "
+      "as backward has it: the gradients never all exist at once. One process, --accumulation_steps 1; --grad_clip "
+      "then clips each parameter's gradient alone")
+
+
 def add_schedule_args(parser):
     """Warmup, the cosine decay, and how long: --epochs, or --max_steps."""
     parser.recipe.add_argument("--warmup_steps", type=non_negative_int, stage_sets=True)

@@ -47,7 +47,6 @@ class Checkpointer:
         keep yet) is given to its object as None."""
         if state is None:
             return
-        self.position.load_state_dict(state)
         where, objects = state["manifest"], {name: obj for name, obj in self.objects.items() if obj is not None}
         missing = [name for name in objects if name not in state]
         if missing:
@@ -63,6 +62,9 @@ class Checkpointer:
                 objects[name].load_state_dict(value)
         except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
+        # the position and random streams last: an optimizer's state may be built by a step (torch's own for
+        # torchao's), which may draw from them (stochastic rounding)
+        self.position.load_state_dict(state)
 
     def save(self):
         """Write the resume checkpoint (every process calls it): the position with every rank's random streams,

@@ -67,7 +67,8 @@ def earlier_layout(state):
 # What runs saved before an argument existed did, by its name: their frozen transformers were held in fp32, and
 # their captions were read whole, unprefixed, unshuffled, unflipped, with no images held out.
 EARLIER_VALUES = {"frozen_dtype": "fp32", "caption_prefix": "", "caption_suffix": "", "caption_lines": "join",
-                  "random_flip": 0.0, "shuffle_tags": 0, "keep_tags": 0, "val_fraction": 0.0}
+                  "random_flip": 0.0, "shuffle_tags": 0, "keep_tags": 0, "val_fraction": 0.0, "trained_dtype": "fp32",
+                  "stochastic_rounding": 1, "step_in_backward": 0}
 
 
 @dataclass(frozen=True)

@@ -95,13 +95,14 @@ def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
     return source
 
 
-def load_network(source, role, frozen_dtype, info):
-    """The transformer of `source` (start_weights_source's) as `role` says: "trained" in fp32, "frozen" in
-    `frozen_dtype` (int8: quantised block by block as it loads) with no weight requiring grad, on info's device;
-    in a sharded run on rank 0's CPU and the other ranks' meta device, for rank 0's weights to fill the shards."""
+def load_network(source, role, frozen_dtype, info, trained_dtype="fp32"):
+    """The transformer of `source` (start_weights_source's) as `role` says: "trained" in `trained_dtype` (fp32, or
+    bf16 for --trained_dtype bf16), "frozen" in `frozen_dtype` (int8: quantised block by block as it loads) with
+    no weight requiring grad, on info's device; in a sharded run on rank 0's CPU and the other ranks' meta device,
+    for rank 0's weights to fill the shards."""
     frozen = role == "frozen"
     int8 = frozen and frozen_dtype == "int8"
-    return load_transformer(source, torch_dtype(frozen_dtype) if frozen else torch.float32, info.load_device,
+    return load_transformer(source, torch_dtype(frozen_dtype if frozen else trained_dtype), info.load_device,
                             meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
                             frozen=frozen)
 

@@ -32,12 +32,13 @@ from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_sampling_args, add_schedule_args, add_validation_args, positive_int,
+    add_sampling_args, add_schedule_args, add_validation_args, add_weights_memory_args, positive_int,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
+from trainer.fused_step import StepInBackward, check_step_in_backward  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
@@ -62,6 +63,7 @@ def parse_args(argv=None):
     parser.recipe.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit"], help="adamw8bit = "
                                "torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8)")
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
+    add_weights_memory_args(parser)  # bf16 weights with stochastic rounding; the step fused into backward
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
     add_sampling_args(parser)
@@ -96,12 +98,14 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    if args.step_in_backward:  # what it does not go with: one line now
+        check_step_in_backward(args.accumulation_steps, info.world_size)
     name = run_name("sft", args.preset)
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("sft"), info, bool(args.base),
-                              resumed_dtype(saved, info.world_size))
+                              resumed_dtype(saved, info.world_size), args.trained_dtype)
     for line in precision.notes:
         metrics.log(line)
     torch.manual_seed(args.seed)
@@ -119,26 +123,33 @@ def main(argv=None):
                       args.resolution, bool(args.gradient_checkpointing))
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
-    model = load_network(source, "trained", precision.frozen, info)
+    model = load_network(source, "trained", precision.frozen, info, precision.trained)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"starting from {source['manifest']} (step {source['step']}, predicts {prediction})")
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for
-    # all parameters; or 8-bit AdamW, 2 bytes a parameter of state instead of 8); the EMA starts at the weights
+    # all parameters; or 8-bit AdamW, 2 bytes a parameter of state instead of 8; bf16 weights: updates rounded
+    # stochastically), or with one AdamW per parameter stepped in backward (--step_in_backward 1); the EMA starts
+    # at the weights
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    optimizer = adamw(model.parameters(), args.learning_rate, args.weight_decay, args.optimizer == "adamw8bit")
+    rounding = ("stochastic" if args.stochastic_rounding else "nearest") if args.trained_dtype == "bf16" else None
+    eight_bit = args.optimizer == "adamw8bit"
+    fused = StepInBackward(model.parameters(), args.learning_rate, args.weight_decay, eight_bit, rounding,
+                           args.grad_clip) if args.step_in_backward else None
+    optimizers = fused.optimizers if fused else [adamw(model.parameters(), args.learning_rate, args.weight_decay,
+                                                       eight_bit, rounding)]
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
-    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
+    learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
     position, out = outputs(args, info, data, learner, metrics, source, precision)
     resume_run(saved, out, "sft", model.parameters(), info)  # a resume that does not fit the run: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
-    return train(args, info, position, data, learner, out)
+    return train(args, info, position, data, learner, out, fused)
 
 
 def outputs(args, info, data, learner, metrics, source, precision):
@@ -160,26 +171,29 @@ def outputs(args, info, data, learner, metrics, source, precision):
     spec = RunSpec("sft", {"kind": "full"}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
-        "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers[0]), "ema": ema, "metrics": metrics})
+        "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
     return position, Outputs(metrics, previews, checkpointer, export)
 
 
-def accumulate(args, batches, learner, generator):
+def accumulate(args, batches, learner, generator, fused):
     """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
-    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses."""
+    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses. With `fused`
+    (StepInBackward) the backward steps every parameter; a loss that is not finite is not backpropagated."""
     total = 0.0
     for micro, batch in enumerate(batches):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
-        (loss / args.accumulation_steps).backward()
+        if fused is None or torch.isfinite(loss):  # a step in backward cannot be taken back
+            (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
     return total
 
 
-def train(args, info, position, data, learner, out):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+def train(args, info, position, data, learner, out, fused):
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. `fused`:
+    the StepInBackward that stepped each parameter in backward, or None."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
     stopping, guard = False, NonFiniteSteps(args.save_dir)
@@ -188,16 +202,19 @@ def train(args, info, position, data, learner, out):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            total = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
+            total = accumulate(args, batches, learner, position.generator, fused)  # loss, backward; gradients add
             # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
-            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
-                else None
+            if fused:  # stepped in backward, each parameter clipped alone: the norm before clipping
+                grad_norm = fused.grad_norm()
+            else:
+                grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
+                    else None
             warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
             if warning:
                 log(warning)
             else:
-                for optimizer in learner.optimizers:
+                for optimizer in learner.optimizers if not fused else ():
                     optimizer.step()
                 if ema is not None:
                     ema.update(position.step)

@@ -59,12 +59,16 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def adamw(params, lr, weight_decay, eight_bit=False):
+def adamw(params, lr, weight_decay, eight_bit=False, bf16_rounding=None):
     """AdamW over `params`: torch's, fused (one kernel for all parameters, on a CPU too), or with `eight_bit`
-    torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8)."""
-    if eight_bit:
-        return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8). For bf16 weights (`bf16_rounding`:
+    "stochastic" or "nearest"), torchao's, which computes each update in fp32 and rounds it to bf16 as asked."""
+    params = list(params)
+    if bf16_rounding is None and not eight_bit:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    optim = import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16").optim
+    kind = optim.AdamW8bit if eight_bit else optim._AdamW  # _AdamW: torchao's AdamW for low-precision weights
+    return kind(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16_rounding == "stochastic")
 
 
 def set_lr(optimizer, lr):

@@ -1,0 +1,90 @@
+"""A full fine-tune's memory levers: bf16 weights updated by stochastic rounding, the optimizer step fused into
+backward; each resumes bitwise, and what it does not go with is one line before any work."""
+import pytest
+import torch
+
+import trainer.train_full_sft as train_full_sft
+from model.checkpoint import first_difference, read_manifest
+from model.errors import UserError
+from trainer.fused_step import StepInBackward
+from trainer.trainer_utils import adamw
+
+from tests.conftest import QUIET, final_state, pretrain_weights, run_stage, sft_export
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return pretrain_weights(tmp_path_factory.mktemp("base"))
+
+
+MODES = {
+    "bf16": ["--trained_dtype", "bf16"],
+    "bf16_8bit_in_backward": ["--trained_dtype", "bf16", "--optimizer", "adamw8bit", "--step_in_backward", "1"],
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_memory_mode_stops_and_resumes_bitwise(tmp_path, base, monkeypatch, mode):
+    def argv(run_dir, *extra):
+        return ["--from_weight", base, "--num_samples", "24", "--batch_size", "2", "--max_steps", "7",
+                "--save_interval", "3", "--sample_interval", "0", *QUIET, *MODES[mode],
+                "--out_dir", str(run_dir / "out"), "--save_dir", str(run_dir / "ckpt"), *extra]
+
+    run_stage(train_full_sft, argv(tmp_path / "whole"), monkeypatch)
+    # the signal comes while step 4's batch is fetched (2 samples a step): the step completes first
+    run_stage(train_full_sft, argv(tmp_path / "cut"), monkeypatch, signal_at=2 * 3 + 1)
+    assert read_manifest(str(tmp_path / "cut" / "ckpt" / "sft_tiny_resume"), "resume")["step"] == 4
+    run_stage(train_full_sft, argv(tmp_path / "cut", "--from_resume", "1"), monkeypatch)
+    whole, cut = (final_state(tmp_path / run, "sft_tiny", sft_export) for run in ("whole", "cut"))
+    assert whole["step"] == 7
+    for key in ("model", "ema", "optimizer", "rng", "export", "step", "samples_seen"):
+        assert first_difference(whole[key], cut[key], key) is None, key
+    assert whole["logged"] == cut["logged"]
+    assert all(v.dtype == torch.bfloat16 for v in whole["model"].values() if v.is_floating_point())
+    assert len({row["loss"] for row in whole["logged"]}) == 7  # it trained
+
+
+def test_stochastic_rounding_keeps_updates_smaller_than_bf16s_gap():
+    """A weight of 1.0 pushed by steps of a tenth of bf16's gap there: rounded to the nearest it never moves,
+    rounded stochastically it moves by the sum of the steps on average."""
+    moved = {}
+    for rounding in ("nearest", "stochastic"):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+        optimizer = adamw([weight], 2 ** -7 / 10, 0.0, bf16_rounding=rounding)  # the gap at 1.0 is 2 ** -7
+        for _ in range(20):
+            weight.grad = torch.ones_like(weight)  # Adam's step is then the learning rate
+            optimizer.step()
+        moved[rounding] = (1 - weight.float()).mean().item()
+    assert moved["nearest"] == 0.0
+    assert moved["stochastic"] == pytest.approx(20 * 2 ** -7 / 10, rel=0.1)
+
+
+def test_the_step_in_backward_equals_the_step_after_it():
+    """A parameter stepped in its gradient's hook ends where an optimizer step after backward puts it, its
+    gradient freed, the norm the same as clip_grad_norm_'s; each parameter is clipped alone."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(2)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(4, 8)
+    fused = StepInBackward(layers[0].parameters(), 0.1, 0.0, False, None, grad_clip=100.0)
+    layers[0](x).square().sum().backward()
+    assert all(p.grad is None for p in layers[0].parameters())
+    optimizer = adamw(layers[1].parameters(), 0.1, 0.0)
+    layers[1](x).square().sum().backward()
+    norm = torch.nn.utils.clip_grad_norm_(layers[1].parameters(), 100.0).item()
+    optimizer.step()
+    assert fused.grad_norm() == pytest.approx(norm, rel=1e-6)
+    for a, b in zip(layers[0].parameters(), layers[1].parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--step_in_backward", "1", "--accumulation_steps", "2"], "--step_in_backward 1 steps each parameter"),
+    (["--trained_dtype", "bf16", "--dtype", "fp32"], "--dtype fp32 with --trained_dtype bf16"),
+])
+def test_what_a_memory_mode_does_not_go_with_is_one_line(tmp_path, base, monkeypatch, extra, needle):
+    monkeypatch.setattr(train_full_sft, "load_network", None)  # nothing may be loaded before the refusal
+    with pytest.raises(UserError, match=needle):
+        train_full_sft.main(["--from_weight", base, "--max_steps", "1", "--out_dir", str(tmp_path),
+                             "--save_dir", str(tmp_path), *extra])

@@ -1,0 +1,57 @@
+"""The optimizer step fused into backward (--step_in_backward 1): each parameter is stepped, and its gradient freed,
+as soon as backward has accumulated it, so the whole model's gradients never exist at once (PyTorch's recipe,
+Tensor.register_post_accumulate_grad_hook; kohya's --fused_backward_pass). A full fine-tune then holds its weights
+and optimizer state, plus a few gradients.
+
+    fused = StepInBackward(model.parameters(), lr, weight_decay, eight_bit, bf16_rounding, grad_clip)
+    loss.backward()                      # every parameter stepped, clipped alone, its gradient freed
+    grad_norm = fused.grad_norm()        # the step's gradient norm before clipping, as clip_grad_norm_ reports it
+
+What it cannot do is refused before any work (check_step_in_backward): accumulation over micro-batches (the step
+would come before the last micro-batch's gradient) and several processes (DDP and FSDP reduce gradients after
+the hook would have stepped). A global clip needs every gradient first: --grad_clip clips each parameter's
+gradient to that norm instead. A gradient that is not finite skips its parameter's step.
+"""
+import torch
+
+from model.errors import UserError
+from trainer.trainer_utils import adamw
+
+
+def check_step_in_backward(accumulation_steps, world_size):
+    """One line, before anything is loaded, for what --step_in_backward 1 does not go with."""
+    if accumulation_steps > 1:
+        raise UserError("--step_in_backward 1 steps each parameter in backward, before a next micro-batch could add "
+                        "to its gradient: use --accumulation_steps 1 (a larger --batch_size), or --step_in_backward 0")
+    if world_size > 1:
+        raise UserError("--step_in_backward 1 runs on one process: DDP and FSDP reduce the gradients after it would "
+                        "have stepped; use --step_in_backward 0 with several processes (FSDP shards the gradients)")
+
+
+class StepInBackward:
+    """One optimizer per trained parameter (adamw's, with its settings), stepped by a hook once backward has that
+    parameter's gradient, after clipping it to `grad_clip` alone; the gradient is then freed. `optimizers`: the
+    list, for the learning rate (set_lr) and the resume checkpoint (NamedOptimizerState)."""
+
+    def __init__(self, params, lr, weight_decay, eight_bit, bf16_rounding, grad_clip):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizers = [adamw([p], lr, weight_decay, eight_bit, bf16_rounding) for p in self.params]
+        self.optimizer_of = dict(zip(self.params, self.optimizers))
+        self.grad_clip, self.squares = grad_clip, []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self.step)
+
+    @torch.no_grad()
+    def step(self, param):
+        norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
+        self.squares.append(norm.square())
+        if torch.isfinite(norm):  # read on the host: a step cannot be taken back
+            param.grad.mul_((self.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(param.grad.dtype))
+            self.optimizer_of[param].step()
+        param.grad = None
+
+    def grad_norm(self):
+        """-> the norm over every parameter of this step's gradients, before clipping (None: no backward ran);
+        the count starts again."""
+        squares, self.squares = self.squares, []
+        return torch.stack(squares).sum().sqrt().item() if squares else None
