@@ -15,7 +15,10 @@ Scenarios:
     sft_base_adamw    a full fine-tune of the `base` stand-in, 2 steps: the optimizer's state per parameter
     sft_base_adamw8bit  the same with 8-bit AdamW
     fsdp_base         the same full fine-tune on two processes under FSDP: each rank's peak once the weights are
-                      loaded (rank 1 builds nothing but its shards)
+                      loaded (rank 1 builds nothing but its shards), and over the whole run
+    sft_medium_bf16_8bit  a full fine-tune of the SD3.5-Medium stand-in: bf16 weights (stochastic rounding), 8-bit
+                      AdamW, 64 px, batch 1, checkpointing, no EMA; 2 steps and a save, a resume, 1 step and a save
+    sft_medium_fused  the same with the step fused into backward (--step_in_backward 1)
 """
 import argparse
 import json
@@ -87,6 +90,24 @@ def full_fine_tune(stand_ins, work, optimizer, processes=1):
     return command + (["--fsdp", "1"] if processes > 1 else []), out
 
 
+def medium_fine_tune(stand_ins, work, fused):
+    """The SD3.5-Medium stand-in's full fine-tune in bf16 with 8-bit AdamW, no EMA: 2 steps and a save, then a
+    resume, 1 more step and a save -> the two commands."""
+    out, prompt = os.path.join(work, f"sft_medium_{'fused' if fused else 'bf16'}"), prompt_file(work)
+    command = [sys.executable, "trainer/train_full_sft.py", "--base", stand_ins["medium"], "--from_weight", "base",
+               "--preset", "sd3.5-medium", "--resolution", "64", "--batch_size", "1", "--num_samples", "4",
+               "--trained_dtype", "bf16", "--optimizer", "adamw8bit", "--step_in_backward", str(int(fused)),
+               "--gradient_checkpointing", "1", "--ema_decay", "0", "--out_dir", out, "--save_dir", out,
+               "--cache_dir", os.path.join(work, "cache"), "--sample_prompts", prompt, "--sample_steps", "1"]
+    return [command + ["--max_steps", "2"], command + ["--max_steps", "3", "--from_resume", "1"]]
+
+
+def peaks_logged(text, what):
+    """Each rank's peak (bytes) in the run's line "peak memory after <what>: a, b GiB", or None."""
+    found = re.search(rf"peak memory after {re.escape(what)}: ([\d., /]+) GiB", text)
+    return [float(p.split("/")[-1]) * GIB for p in found.group(1).split(",")] if found else None
+
+
 def optimizer_bytes_per_parameter(save_dir):
     """The optimizer state in the run's resume file, in bytes per trained parameter (8-bit state counted by its
     codes and scales)."""
@@ -138,8 +159,25 @@ def run_scenario(name, stand_ins, work, results):
         per_param = optimizer_bytes_per_parameter(out) if code == 0 else None
         target = "<= 2.1 B/param" if optimizer == "adamw8bit" else "(AdamW: 8 B/param)"
         verdict = "met" if per_param is not None and (optimizer != "adamw8bit" or per_param <= 2.1) else "missed"
+        training, saving = peaks_logged(text, "step 2"), peaks_logged(text, "saving step 2")
+        around = f"; {training[0] / GIB:.2f} GiB before the save, {saving[0] / GIB:.2f} after (target: +0.3 at most)" \
+            if training and saving else ""
         return row(name, peak, estimate and estimate * GIB, target, verdict,
-                   f"optimizer state {per_param:.3f} B/param, {wall:.0f} s" if per_param else f"exit {code}")
+                   f"optimizer state {per_param:.3f} B/param, {wall:.0f} s{around}" if per_param else f"exit {code}")
+    if name.startswith("sft_medium"):
+        fused = name.endswith("fused")
+        peaks, notes = [], []
+        for i, command in enumerate(medium_fine_tune(stand_ins, work, fused)):
+            text, peak, wall, code = measured(command, os.path.join(work, f"{name}_{i}.log"))
+            peaks.append(peak or 0)
+            training, saving = peaks_logged(text, f"step {i + 2}"), peaks_logged(text, f"saving step {i + 2}")
+            notes.append(f"{'resumed' if i else 'first'} run {wall:.0f} s, exit {code}" + (
+                f", {training[0] / GIB:.2f} GiB before its save, {saving[0] / GIB:.2f} after" if training and saving
+                else ""))
+        estimate = logged(r"memory estimate per process: ([\d.]+) GiB", text)
+        limit = 12 if fused else 16
+        return row(name, max(peaks), estimate and estimate * GIB, f"{'<' if fused else '<='} {limit} GiB",
+                   "met" if code == 0 and max(peaks) <= limit * GIB else "missed", "; ".join(notes))
     if name == "fsdp_base":
         command, out = full_fine_tune(stand_ins, work, "adamw", processes=2)
         text, peak, wall, code = measured(command, os.path.join(work, f"{name}.log"))
@@ -151,16 +189,21 @@ def run_scenario(name, stand_ins, work, results):
         shard, block = 4 * count_parameters(config) / 2, 4 * count_parameters(config) / config.num_layers
         target = shard + block + GIB
         rank1 = float(ranks.group(2)) * GIB if ranks else None
+        whole = peaks_logged(text, "the run")
+        if whole:
+            ranks_note = f"whole run by rank: {', '.join(f'{p / GIB:.2f}' for p in whole)} GiB (rank 1 target <= 3.5); "
+        else:
+            ranks_note = ""
         return row(name + " (rank 1, loaded)", rank1, estimate and estimate * GIB,
                    f"<= shard {shard / GIB:.2f} + block {block / GIB:.2f} + 1 = {target / GIB:.2f} GiB",
                    "met" if rank1 is not None and rank1 <= target else "missed",
-                   f"rank 0 {ranks.group(1)} GiB; whole run's largest process {peak / GIB:.2f} GiB" if ranks else
+                   f"{ranks_note}rank 0 {ranks.group(1)} GiB; whole run's largest process {peak / GIB:.2f} GiB" if ranks else
                    f"exit {code}")
     raise ValueError(name)
 
 
 SCENARIOS = ("lora_large_bf16", "lora_large_int8", "load_medium_bf16", "load_medium_fp32", "sft_base_adamw",
-             "sft_base_adamw8bit", "fsdp_base")
+             "sft_base_adamw8bit", "fsdp_base", "sft_medium_bf16_8bit", "sft_medium_fused")
 
 
 def child_load(folder, dtype):

@@ -229,11 +229,13 @@ def train(args, info, position, data, learner, out, fused):
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
                           images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
+                log_peak(info, f"step {position.step}", log)  # what a save adds to it: the line after it
                 saving = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
                 written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - saving:.1f} s")
+                log_peak(info, f"saving step {position.step}", log)
                 metrics.plot(position.step)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
