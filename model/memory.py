@@ -1,9 +1,12 @@
 """The estimate before the work: a run's peak memory per process, from parameter counts and the sizes of a step,
 and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a warning naming the levers.
 
-    weights      trained networks 4 bytes a parameter (fp32 masters); frozen ones 2 (bf16), 4 (fp32) or 1 (int8)
-    gradients    4 bytes per trained parameter
-    optimizer    AdamW 8 bytes per trained parameter, 8-bit AdamW about 2, Muon 4 on the blocks' matrices
+    weights      trained networks 4 bytes a parameter (fp32 masters; 2 with --trained_dtype bf16); frozen ones 2
+                 (bf16), 4 (fp32) or 1 (int8)
+    gradients    as many bytes per trained parameter as its weight; with --step_in_backward 1 only the largest
+                 parameter's (each is stepped and freed as backward makes it)
+    optimizer    AdamW 8 bytes per trained parameter (4 for bf16 weights: torchao keeps the moments in bf16), 8-bit
+                 AdamW about 2, Muon 4 on the blocks' matrices
     EMA          4 bytes per trained parameter, unless --ema_device cpu keeps it off the GPU
     sharded      (--fsdp 1) weights, gradients, optimizer and EMA divided over the shard group, plus one block
                  gathered whole; rank 0 holds the whole weights in host memory while it broadcasts them
@@ -11,13 +14,13 @@ and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a
                  with --gradient_checkpointing 1, plus each block's input), in the compute dtype but for the
                  layer norms' outputs, fp32 under CUDA autocast
     components   the VAE and text encoders as loaded (the text encoders are freed once training reads the cache)
-    save         on a CPU, the resume file read back to verify it (the trained weights, optimizer and EMA again)
+    save         about two of the largest tensor, on a CPU: a save writes and reads back a tensor at a time
     runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
 
 Checked against measured peaks by bench/bench_memory.py (BENCHMARKS.md).
 """
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,23 +69,27 @@ class MemoryPlan:
     batch_size: int
     resolution: int
     checkpointing: bool
+    trained_dtype: str = "fp32"  # --trained_dtype: what trained weights, gradients (and AdamW's moments) are held in
+    step_in_backward: bool = False  # --step_in_backward 1: no more than one gradient at a time
 
 
 def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
     """-> {part: bytes} of one process's peak, for `plan` (MemoryPlan) with transformers of `config`, its frozen
     networks held in `frozen_dtype`, its state sharded over `shards` processes."""
-    params = count_parameters(config)
+    params, largest = count_parameters(config), max(p.numel() for p in meta_model(config).parameters())
     trained = [params if net == "trained" else 0 if net == "frozen" else net for net in plan.networks]
     frozen = sum(params for net in plan.networks if net != "trained") * frozen_bytes(frozen_dtype)
     ema_on_device = plan.ema and (device_type == "cpu" or plan.ema_device != "cpu")
-    parts = {"weights": 4 * sum(trained) + frozen, "gradients": 4 * sum(trained),
-             "optimizer": sum(optimizer_bytes(config, plan.optimizer, n) for n in trained),
+    weight = 2 if plan.trained_dtype == "bf16" else 4
+    moments = 4 if plan.trained_dtype == "bf16" and plan.optimizer == "adamw" else None
+    parts = {"weights": weight * sum(trained) + frozen,
+             "gradients": weight * (min(largest, sum(trained)) if plan.step_in_backward else sum(trained)),
+             "optimizer": sum(moments * n if moments else optimizer_bytes(config, plan.optimizer, n) for n in trained),
              "EMA": 4 * sum(trained) if ema_on_device else 0}
     if shards > 1:
         parts = {k: v / shards for k, v in parts.items()}
         parts["gathered block"] = 2 * params / config.num_layers
-    # the resume file holds what trains (weights, optimizer, EMA), not the frozen weights
-    save = parts["weights"] - frozen / shards + parts["optimizer"] + parts["EMA"] if device_type == "cpu" else 0
+    save = 2 * 4 * largest if device_type == "cpu" and any(trained) else 0  # one tensor written, one read back
     parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type], save=save)
     return parts
 
@@ -98,8 +105,15 @@ def estimate_lines(config, plan, components, precision, info):
                                    plan.checkpointing, kept_value_bytes(precision.compute, device.type))
     shards = info.mesh.shape[-1] if info.sharded else 1
     parts = estimate(config, plan, precision.frozen, shards, activations, module_bytes(components), device.type)
-    line, warning = describe(parts, device_memory(device), "this GPU's free memory" if device.type == "cuda" else
+    available = device_memory(device)
+    line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
+    if warning:
+        fitting = [lever for lever, plan_with, shards_with in levers(plan, shards)
+                   if sum(estimate(config, plan_with, precision.frozen, shards_with, activations, parts["components"],
+                                   device.type).values()) <= available]
+        warning += f"; alone, each of these would fit: {', '.join(fitting)}" if fitting else \
+            "; none of them alone would fit: combine them"
     lines = [line] + ([warning] if warning else [])
     if info.sharded and device.type == "cuda":  # what stays whole: rank 0's copy, in host memory, not on a GPU
         lines.append(f"rank 0 loads the whole weights ({parts['weights'] * shards / GIB:.2f} GiB) in host memory and "
@@ -138,7 +152,22 @@ def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-LEVERS = ("--gradient_checkpointing 1", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit", "--fsdp 1")
+LEVERS = ("--gradient_checkpointing 1", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit",
+          "--trained_dtype bf16", "--step_in_backward 1", "--fsdp 1")
+
+
+def levers(plan, shards):
+    """The memory levers a full fine-tune's `plan` has not pulled yet, each alone -> (the option, the plan with it,
+    the shards with it). Activations are left as they are (checkpointing is weighed in the warning's list)."""
+    if "trained" not in plan.networks:
+        return []
+    options = [("--optimizer adamw8bit", replace(plan, optimizer="adamw8bit"), shards),
+               ("--trained_dtype bf16", replace(plan, trained_dtype="bf16"), shards),
+               ("--step_in_backward 1", replace(plan, step_in_backward=True), shards),
+               ("--trained_dtype bf16 --optimizer adamw8bit --step_in_backward 1",
+                replace(plan, optimizer="adamw8bit", trained_dtype="bf16", step_in_backward=True), shards),
+               ("--fsdp 1 on 2 GPUs", plan, max(2, shards * 2))]
+    return [(name, with_it, n) for name, with_it, n in options if with_it != plan or n != shards]
 
 
 def describe(parts, available, where):

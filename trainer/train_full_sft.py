@@ -120,7 +120,8 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing))
+                      args.resolution, bool(args.gradient_checkpointing), args.trained_dtype,
+                      bool(args.step_in_backward))
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
     model = load_network(source, "trained", precision.frozen, info, precision.trained)
