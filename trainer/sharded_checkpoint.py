@@ -33,7 +33,7 @@ from model.file_io import file_entry, tensors_equal
 from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
 MARK = "__dcp__"  # {MARK: name} stands in the resume file for a tensor kept in the shards
-VERIFY_BYTES = 1 << 30  # read back at most this many bytes per process at a time
+VERIFY_BYTES = 1 << 28  # read back at most this many bytes (256 MiB) per process at a time
 
 
 def tensor_name(path):
