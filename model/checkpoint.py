@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from model.errors import UserError
 from model.file_io import (
-    atomic_path, atomic_write_text, drop_pages, file_entry, sha256_of, tensors_equal, write_safetensors,
+    atomic_path, atomic_write_text, drop_pages, file_entry, mapped_ranges, sha256_of, tensors_equal, write_safetensors,
 )
 
 
@@ -46,24 +46,25 @@ def step_file(stem, step, suffix):
     return f"{stem}.step{step:08d}{suffix}"
 
 
-def first_difference(expected, found, where="state", drop=False):
-    """The path of the first place where two nested dicts/lists/tensors differ, or None. `drop`: `found` is
-    memory-mapped from a file, and each of its tensors' pages is let go once compared (file_io.drop_pages)."""
+def first_difference(expected, found, where="state", mapped=()):
+    """The path of the first place where two nested dicts/lists/tensors differ, or None. `mapped`: the address
+    ranges `found` is memory-mapped from (file_io.mapped_ranges), whose pages under each tensor are let go once
+    it is compared (file_io.drop_pages)."""
     if isinstance(expected, torch.Tensor):
         same = tensors_equal(expected, found)
-        if drop and isinstance(found, torch.Tensor):
-            drop_pages(found)
+        if mapped and isinstance(found, torch.Tensor):
+            drop_pages(found, mapped)
         return None if same else where
     if isinstance(expected, dict):
         if not isinstance(found, dict) or set(expected) != set(found):
             return f"{where} (keys)"
-        return next((d for k in expected if (d := first_difference(expected[k], found[k], f"{where}[{k!r}]", drop))),
+        return next((d for k in expected if (d := first_difference(expected[k], found[k], f"{where}[{k!r}]", mapped))),
                     None)
     if isinstance(expected, (list, tuple)):
         if not isinstance(found, (list, tuple)) or len(expected) != len(found):
             return f"{where} (length)"
         return next((d for i, (e, f) in enumerate(zip(expected, found))
-                     if (d := first_difference(e, f, f"{where}[{i}]", drop))), None)
+                     if (d := first_difference(e, f, f"{where}[{i}]", mapped))), None)
     return None if expected == found else where
 
 
@@ -76,7 +77,8 @@ def write_torch(path, state):
             torch.save(state, tmp)
         except RuntimeError as e:  # torch's file writer reports a write that fell short ("unexpected pos ...")
             raise OSError(errno.EIO, f"the file was not written whole ({' '.join(str(e).split())[:120]})") from None
-    bad = first_difference(state, torch.load(path, map_location="cpu", weights_only=True, mmap=True), drop=True)
+    back = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    bad = first_difference(state, back, mapped=mapped_ranges(path))
     if bad is not None:
         raise RuntimeError(f"{path} read back with a different {bad}")
     return file_entry(path)

@@ -8,7 +8,6 @@ import hashlib
 import json
 import mmap
 import os
-import sys
 import tempfile
 
 import torch
@@ -88,6 +87,8 @@ def tensors_equal(a, b):
         return type(b) is type(a) and b.__tensor_flatten__() == (names, context) and \
             all(tensors_equal(getattr(a, name), getattr(b, name)) for name in names)
     b = b.to(a.device)  # a state on the GPU against its read-back copy: one tensor at a time
+    if torch.equal(a, b):  # no copies; only where NaNs make them differ are they masked
+        return True
     if a.is_floating_point():
         nan = a.isnan()
         return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0))
@@ -172,19 +173,33 @@ def read_back_difference(path, tensors, metadata, float_dtype=None):
     return None
 
 
-def drop_pages(tensor):
-    """Hand the memory-mapped file pages under `tensor` (a read-back copy, compared and done with; or a resume
+def mapped_ranges(prefix):
+    """The address ranges where this process maps files whose path starts with `prefix` (Linux: /proc/self/maps;
+    elsewhere none): the only memory drop_pages touches."""
+    ranges, prefix = [], os.path.abspath(prefix)
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps", encoding="utf-8") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[5].strip().startswith(prefix):
+                    start, end = fields[0].split("-")
+                    ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def drop_pages(tensor, ranges):
+    """Hand the pages of a memory-mapped file under `tensor` (a read-back copy, compared and done with; or a resume
     file's, copied into the run's own) back to the kernel: they would count as this process's memory until the
-    whole file is unmapped. Only whole pages inside the tensor's storage, which still reads the same (from the
-    file: the pages are clean, never written). Linux only; elsewhere nothing happens."""
-    if not sys.platform.startswith("linux") or tensor.device.type != "cpu":
+    whole file is unmapped. Only whole pages inside the tensor's storage and inside `ranges` (mapped_ranges: the
+    file's mappings, never other memory); the tensor still reads the same, from the file (the pages are clean)."""
+    if tensor.device.type != "cpu" or not ranges:
         return
     if hasattr(tensor, "__tensor_flatten__") and not isinstance(tensor, torch.nn.Parameter):  # torchao's 8-bit state
         for name in tensor.__tensor_flatten__()[0]:
-            drop_pages(getattr(tensor, name))
+            drop_pages(getattr(tensor, name), ranges)
         return
     storage = tensor.untyped_storage()
     start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
+    if end > start and any(low <= start and end <= high for low, high in ranges):
         ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)

@@ -18,10 +18,12 @@ them all (model/checkpoint.py).
 """
 import os
 
-from model.checkpoint import remove_leftovers, save_checkpoint, step_file
+from model.checkpoint import remove_leftovers, save_checkpoint, stem_of, step_file
 from model.errors import UserError
+from model.file_io import drop_pages, mapped_ranges
 from trainer.parallel import conform
 from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
+from trainer.trainer_utils import leaves
 
 
 def checkpoint_stem(save_dir, name):
@@ -58,8 +60,11 @@ class Checkpointer:
                 ours = {name: saved[name] for name in current}
                 saved.update(read_shards(os.path.join(os.path.dirname(where), shards), ours, current, where) if shards
                              else conform(ours, current))
+            mapped = mapped_ranges(stem_of(where))  # the resume file's pages: let go as each object has its state
             for name, value in saved.items():
                 objects[name].load_state_dict(value)
+                for tensor in leaves(value).values():
+                    drop_pages(tensor, mapped)
         except (ValueError, RuntimeError) as e:  # strict: names the keys that do not fit
             raise UserError(f"{where} does not fit this run: {' '.join(str(e).split())[:400]}") from None
         # the position and random streams last: an optimizer's state may be built by a step (torch's own for
