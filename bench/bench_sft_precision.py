@@ -5,6 +5,7 @@ nearest); each scored like the main job (held-out loss, GenEval-style score per 
     python bench/bench_sft_precision.py                          # trains the main job first (about 17 min)
     python bench/bench_sft_precision.py --from_weight out/pretrain_tiny.json
     python bench/bench_sft_precision.py --work /tmp/sft_precision --seeds 0 1
+    python bench/bench_sft_precision.py --main_job_steps 1000    # from a shorter main job (its own schedule)
 
 Each run writes into --work/<mode>/ (its own out/ and checkpoints/); the table is printed at the end and kept in
 --work/table.md.
@@ -43,10 +44,13 @@ def main(argv=None):
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "bench_sft_precision"))
     parser.add_argument("--from_weight", default=None, help="the main job's weights (default: train them here)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="noise seeds of the GenEval scores")
+    parser.add_argument("--main_job_steps", type=int, default=0, help="train the main job this many steps (its "
+                        "schedule shortened to them); 0 = as the README runs it")
     args = parser.parse_args(argv)
     start = args.from_weight
     if start is None:
-        wall = run("train_pretrain.py", os.path.join(args.work, "main_job"), [])
+        steps = ["--max_steps", str(args.main_job_steps)] if args.main_job_steps else []
+        wall = run("train_pretrain.py", os.path.join(args.work, "main_job"), steps)
         start = os.path.join(args.work, "main_job", "out", "pretrain_tiny.json")
         print(f"main job: {wall / 60:.1f} min", flush=True)
     rows = ["| SFT weights | wall clock | held-out loss | held-out score (per seed) | mean |", "|---|---|---|---|---|"]

@@ -88,3 +88,18 @@ def test_what_a_memory_mode_does_not_go_with_is_one_line(tmp_path, base, monkeyp
     with pytest.raises(UserError, match=needle):
         train_full_sft.main(["--from_weight", base, "--max_steps", "1", "--out_dir", str(tmp_path),
                              "--save_dir", str(tmp_path), *extra])
+
+
+def test_what_several_processes_do_not_go_with_is_one_line():
+    """Refused before anything is loaded: the step in backward on several processes, bf16 weights under FSDP."""
+    from model.precision import StagePrecision, run_precision
+    from trainer.distributed import DistInfo
+    from trainer.fused_step import check_step_in_backward
+
+    with pytest.raises(UserError, match="--step_in_backward 1 runs on one process"):
+        check_step_in_backward(1, 2)
+    sharded = DistInfo(world_size=2, mesh=object())
+    with pytest.raises(UserError, match="--trained_dtype bf16 with --fsdp 1 is not supported"):
+        run_precision("auto", "auto", StagePrecision("sft"), sharded, trained="bf16")
+    assert run_precision("auto", "auto", StagePrecision("sft"), DistInfo(world_size=2), trained="bf16").compute == \
+        "bf16"  # under DDP it trains (computing in bf16)

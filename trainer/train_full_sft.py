@@ -215,8 +215,9 @@ def train(args, info, position, data, learner, out, fused):
             if warning:
                 log(warning)
             else:
-                for optimizer in learner.optimizers if not fused else ():
-                    optimizer.step()
+                if not fused:  # a fused run stepped each parameter in backward
+                    for optimizer in learner.optimizers:
+                        optimizer.step()
                 if ema is not None:
                     ema.update(position.step)
             for optimizer in learner.optimizers:
