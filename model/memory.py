@@ -108,12 +108,13 @@ def estimate_lines(config, plan, components, precision, info):
     available = device_memory(device)
     line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
-    if warning:
-        fitting = [lever for lever, plan_with, shards_with in levers(plan, shards)
+    options = levers(plan, shards) if warning else []
+    if options:  # a full fine-tune: which of its levers would make it fit
+        fitting = [lever for lever, plan_with, shards_with in options
                    if sum(estimate(config, plan_with, precision.frozen, shards_with, activations, parts["components"],
                                    device.type).values()) <= available]
-        warning += f"; alone, each of these would fit: {', '.join(fitting)}" if fitting else \
-            "; none of them alone would fit: combine them"
+        warning += f"; each of these would fit: {'; '.join(fitting)}" if fitting else \
+            "; none of the full fine-tune's levers would fit alone: shard over more processes"
     lines = [line] + ([warning] if warning else [])
     if info.sharded and device.type == "cuda":  # what stays whole: rank 0's copy, in host memory, not on a GPU
         lines.append(f"rank 0 loads the whole weights ({parts['weights'] * shards / GIB:.2f} GiB) in host memory and "
@@ -166,7 +167,7 @@ def levers(plan, shards):
                ("--step_in_backward 1", replace(plan, step_in_backward=True), shards),
                ("--trained_dtype bf16 --optimizer adamw8bit --step_in_backward 1",
                 replace(plan, optimizer="adamw8bit", trained_dtype="bf16", step_in_backward=True), shards),
-               ("--fsdp 1 on 2 GPUs", plan, max(2, shards * 2))]
+               (f"--fsdp 1 over {max(2, shards * 2)} processes", plan, max(2, shards * 2))]
     return [(name, with_it, n) for name, with_it, n in options if with_it != plan or n != shards]
 
 

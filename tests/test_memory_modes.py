@@ -103,3 +103,32 @@ def test_what_several_processes_do_not_go_with_is_one_line():
         run_precision("auto", "auto", StagePrecision("sft"), sharded, trained="bf16")
     assert run_precision("auto", "auto", StagePrecision("sft"), DistInfo(world_size=2), trained="bf16").compute == \
         "bf16"  # under DDP it trains (computing in bf16)
+
+
+def test_the_estimate_counts_the_modes_and_names_the_levers_that_would_fit(monkeypatch):
+    import model.memory as memory
+    from model.model_sd3light import count_parameters, preset_config
+    from model.precision import Precision
+    from trainer.distributed import DistInfo
+
+    config, plan = preset_config("sd3.5-medium"), memory.MemoryPlan(("trained",), "adamw", True, "auto", 1, 64, True)
+    params = count_parameters(config)
+    lean = memory.estimate(config, memory.replace(plan, optimizer="adamw8bit", ema=False, trained_dtype="bf16"),
+                           "bf16", 1, 0, 0, "cuda")
+    assert lean["weights"] == lean["gradients"] == 2 * params and lean["optimizer"] < 2.1 * params
+    fused = memory.estimate(config, memory.replace(plan, trained_dtype="bf16", step_in_backward=True), "bf16", 1, 0,
+                            0, "cuda")
+    assert fused["gradients"] < 0.02 * 2 * params and fused["optimizer"] == 4 * params  # bf16 moments
+
+    class Components:
+        spec, t5_max_length, downscale = {"kind": "sd3"}, 77, 8
+
+        def parameters(self):
+            return []
+
+        buffers = parameters
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: 24 * memory.GIB)  # a 24 GB card's worth
+    line, warning = memory.estimate_lines(config, plan, Components(), Precision(), DistInfo())
+    assert "--trained_dtype bf16 --optimizer adamw8bit --step_in_backward 1" in warning.split("would fit:")[1]
+    assert "--optimizer adamw8bit;" not in warning  # with the fp32 EMA it would not fit alone
