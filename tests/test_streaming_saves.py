@@ -131,3 +131,18 @@ def test_a_run_whose_disk_fills_ends_in_one_line_and_resumes_from_its_last_save(
     with open(tmp_path / "out" / "sft_tiny_metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f][-2:] == [3, 4]
     assert load_safetensors(str(tmp_path / "out" / "sft_tiny.step00000004.safetensors"))
+
+
+def test_shards_the_disk_cannot_take_are_one_line_too(tmp_path, monkeypatch):
+    import trainer.sharded_checkpoint as sharded_checkpoint
+    from trainer.distributed import DistInfo
+
+    stem = str(tmp_path / "run_resume")
+    save_checkpoint(stem, 1, {"kind": "resume"}, {".pt": {"n": 1}})
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sharded_checkpoint.dcp, "save", full)
+    with pytest.raises(SaveError, match=r"cannot save into .*: No space left on device; .* step 1 .* is intact"):
+        sharded_checkpoint.write_shards(stem + ".step00000002.dcp", weights(), DistInfo())

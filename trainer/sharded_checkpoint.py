@@ -13,6 +13,7 @@ DCP's own metadata classes and nothing else. The commit is model/checkpoint.py's
 read back, compared and hashed on every rank, and only then does rank 0 write the manifest naming them all.
 Loading reshards: the shards are read into the layout the run has now (other process counts, FSDP or not).
 """
+import errno
 import math
 import os
 import pickle
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageMeta
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from model.checkpoint import CheckpointError
+from model.checkpoint import CheckpointError, SaveError, stem_of, unwritable
 from model.file_io import file_entry, tensors_equal
 from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
@@ -73,25 +74,31 @@ def write_shards(folder, tensors, info):
     """Every rank writes its shards of `tensors` into `folder` (rank 0 also DCP's metadata), reads them back and
     compares, and hashes its own files. -> on rank 0, the manifest entries of every file, named relative to the
     folder's parent ({} on the others). A failure on any rank raises on every rank, before anything is committed."""
-    os.makedirs(folder, exist_ok=True)
-    entries, error = {}, None
+    entries, error, disk = {}, None, None
     try:
+        os.makedirs(folder, exist_ok=True)
         dcp.save(tensors, storage_writer=FileSystemWriter(folder))
         verify_shards(folder, tensors, info.world_size)
         own = [n for n in os.listdir(folder) if n.startswith(f"__{info.rank}_") or (info.is_main and n == ".metadata")]
         entries = {name: file_entry(os.path.join(folder, name)) for name in own}
     except (OSError, RuntimeError, ValueError, CheckpointException) as e:
         error = f"rank {info.rank}: {one_line(e)}"
-    reports = [(entries, error)]
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        disk = cause.strerror or str(cause) if isinstance(cause, OSError) else None  # the disk's fault: one line
+    reports = [(entries, error, disk)]
     if info.world_size > 1:
         reports = [None] * info.world_size
-        dist.all_gather_object(reports, (entries, error))
-    errors = [error for _, error in reports if error]
+        dist.all_gather_object(reports, (entries, error, disk))
+    disks = [disk for _, _, disk in reports if disk]
+    if disks:
+        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        raise SaveError(unwritable(stem_of(folder), OSError(errno.ENOSPC, disks[0]), needed))
+    errors = [error for _, error, _ in reports if error]
     if errors:
         raise RuntimeError(f"writing the shards of {folder} failed: {'; '.join(errors)}")
     if not info.is_main:
         return {}
-    entries = {name: entry for own, _ in reports for name, entry in own.items()}
+    entries = {name: entry for own, _, _ in reports for name, entry in own.items()}
     for name in set(os.listdir(folder)) - set(entries):  # a file no rank claimed (DCP named it otherwise): hash it
         entries[name] = file_entry(os.path.join(folder, name))
     base = os.path.basename(folder)
