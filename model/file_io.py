@@ -192,9 +192,9 @@ def drop_pages(tensor, ranges):
     file's, copied into the run's own) back to the kernel: they would count as this process's memory until the
     whole file is unmapped. Only whole pages inside the tensor's storage and inside `ranges` (mapped_ranges: the
     file's mappings, never other memory); the tensor still reads the same, from the file (the pages are clean)."""
-    if tensor.device.type != "cpu" or not ranges:
+    if not ranges or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         return
-    if hasattr(tensor, "__tensor_flatten__") and not isinstance(tensor, torch.nn.Parameter):  # torchao's 8-bit state
+    if hasattr(tensor, "__tensor_flatten__") and not isinstance(tensor, torch.nn.Parameter):  # 8-bit state, DTensor
         for name in tensor.__tensor_flatten__()[0]:
             drop_pages(getattr(tensor, name), ranges)
         return
