@@ -24,7 +24,8 @@ from safetensors import safe_open
 
 from model.errors import UserError
 from model.file_io import (
-    atomic_path, atomic_write_text, drop_pages, file_entry, mapped_ranges, sha256_of, tensors_equal, write_safetensors,
+    atomic_path, atomic_write_text, drop_pages, file_entry, inner_tensors, mapped_ranges, sha256_of, tensors_equal,
+    write_safetensors,
 )
 
 
@@ -138,8 +139,9 @@ def state_bytes(state, float_dtype=None):
     """The bytes of every tensor in a nested state (a tensor subclass by its inner tensors; floating-point ones as
     `float_dtype` if given: what a file that casts them holds)."""
     if isinstance(state, torch.Tensor):
-        if hasattr(state, "__tensor_flatten__") and not isinstance(state, torch.nn.Parameter):
-            return sum(state_bytes(getattr(state, name)) for name in state.__tensor_flatten__()[0])
+        inner = inner_tensors(state)
+        if inner is not None:
+            return sum(state_bytes(part) for part in inner if isinstance(part, torch.Tensor))
         dtype = float_dtype if float_dtype is not None and state.is_floating_point() else state.dtype
         return state.numel() * dtype.itemsize
     values = state.values() if isinstance(state, dict) else state if isinstance(state, (list, tuple)) else ()

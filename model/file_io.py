@@ -77,6 +77,14 @@ def file_entry(path):
     return {"bytes": os.path.getsize(path), "sha256": sha256_of(path)}
 
 
+def inner_tensors(tensor):
+    """The tensors a tensor subclass is made of (torchao's 8-bit optimizer state: codes, scales, code map; a
+    DTensor: its local part), or None for a plain tensor or parameter."""
+    if not hasattr(tensor, "__tensor_flatten__") or isinstance(tensor, torch.nn.Parameter):
+        return None
+    return [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+
+
 def tensors_equal(a, b):
     """Same dtype, shape and values (NaNs in the same places count as equal). A tensor subclass made of inner
     tensors (torchao's 8-bit optimizer state: codes and scales) compares by its inner tensors."""
@@ -194,9 +202,10 @@ def drop_pages(tensor, ranges):
     file's mappings, never other memory); the tensor still reads the same, from the file (the pages are clean)."""
     if not ranges or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu":
         return
-    if hasattr(tensor, "__tensor_flatten__") and not isinstance(tensor, torch.nn.Parameter):  # 8-bit state, DTensor
-        for name in tensor.__tensor_flatten__()[0]:
-            drop_pages(getattr(tensor, name), ranges)
+    inner = inner_tensors(tensor)  # 8-bit state, DTensor
+    if inner is not None:
+        for part in inner:
+            drop_pages(part, ranges)
         return
     storage = tensor.untyped_storage()
     start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import StorageMeta
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from model.checkpoint import CheckpointError, SaveError, stem_of, unwritable
+from model.checkpoint import CheckpointError, SaveError, state_bytes, stem_of, unwritable
 from model.file_io import file_entry, tensors_equal
 from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
@@ -91,7 +91,7 @@ def write_shards(folder, tensors, info):
         dist.all_gather_object(reports, (entries, error, disk))
     disks = [disk for _, _, disk in reports if disk]
     if disks:
-        needed = sum(t.numel() * t.element_size() for t in tensors.values())
+        needed = state_bytes(tensors) * info.world_size  # each rank counts its own shards
         raise SaveError(unwritable(stem_of(folder), OSError(errno.ENOSPC, disks[0]), needed))
     errors = [error for _, error, _ in reports if error]
     if errors:
