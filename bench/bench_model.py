@@ -20,9 +20,9 @@ import torch
 
 if not __package__:  # run as a script (imported as a module, the repo root is already importable)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model.model_sd3light import SD3Light, count_parameters, preset_config, training_flops_per_sample  # noqa: E402
+from model.flops import GPU_PEAKS, training_flops_per_sample  # noqa: E402
+from model.model_sd3light import SD3Light, count_parameters, preset_config  # noqa: E402
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16, for MFU on known GPUs
 
 
 def machine_name(device):
@@ -133,7 +133,7 @@ def main(argv=None):
 
     flops = training_flops_per_sample(config, size, size, text_len) * B
     tokens = B * ((size // config.patch_size) ** 2 + text_len)
-    peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in machine_name("cuda")), None)
+    peak = next((v for k, v in GPU_PEAKS.items() if device.type == "cuda" and k in machine_name("cuda")), None)
     print(f"date {datetime.date.today()}  machine {machine_name(device.type)}  torch {torch.__version__}  "
           f"threads {args.threads}")
     print(f"preset {args.preset} ({count_parameters(config) / 1e6:.1f}M params)  batch {B}  latent {size}x{size}  "

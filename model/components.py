@@ -370,6 +370,12 @@ def transformer_widths(components):
             "pooled_projection_dim": components.pooled_projection_dim}
 
 
+def text_tokens(components):
+    """The length of the text sequence the transformer reads: CLIP's 77 tokens then T5's (zeros without T5), or the
+    built-in encoder's."""
+    return 77 + components.t5_max_length if components.spec["kind"] == "sd3" else components.spec["text_max_length"]
+
+
 def check_widths(components, config, where):
     """Trained weights (`config`, from `where`) must fit the components exactly: a one-line ComponentsError naming
     the widths that differ."""

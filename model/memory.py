@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from model.components import text_tokens
 from model.loading import meta_model
 from model.model_sd3light import count_parameters
 
@@ -100,7 +101,7 @@ def estimate_lines(config, plan, components, precision, info):
     with `components` as loaded now: in one line, and a warning line where it exceeds the device's memory (the
     run starts either way)."""
     device = info.device
-    text = 77 + components.t5_max_length if components.spec["kind"] == "sd3" else components.spec["text_max_length"]
+    text = text_tokens(components)
     activations = activation_bytes(config, plan.batch_size, plan.resolution, components.downscale, text,
                                    plan.checkpointing, kept_value_bytes(precision.compute, device.type))
     shards = info.mesh.shape[-1] if info.sharded else 1

@@ -3,7 +3,7 @@
 Every parameter and buffer has the name and shape it has in diffusers' `SD3Transformer2DModel` built from the
 same arguments, so weights move between the two with `load_state_dict(strict=True)` and no conversion.
 
-Read top to bottom: config and presets, embeddings, attention, the joint block, the model, FLOP counting.
+Read top to bottom: config and presets, embeddings, attention, the joint block, the model (FLOPs: model/flops.py).
 Shapes: B batch, N image tokens, L text tokens, D = num_attention_heads * attention_head_dim.
 """
 import json
@@ -455,9 +455,11 @@ class SD3Light(nn.Module):
             (matrices if name.startswith("transformer_blocks.") and p.ndim == 2 else rest).append(p)
         return matrices, rest
 
-    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep):
+    def forward(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, route=None):
         """hidden_states [B, C, H, W] latents; encoder_hidden_states [B, L, joint_attention_dim];
-        pooled_projections [B, pooled_projection_dim]; timestep [B] (sigma * 1000). Returns [B, out_channels, H, W]."""
+        pooled_projections [B, pooled_projection_dim]; timestep [B] (sigma * 1000). Returns [B, out_channels, H, W].
+        `route` (model/token_routing.TokenRoute, training only): blocks route.first..route.last see only the image
+        tokens route.keep; the others skip them unchanged."""
         B, _, H, W = hidden_states.shape
         p = self.config.patch_size
         if H % p or W % p:
@@ -467,11 +469,16 @@ class SD3Light(nn.Module):
         x = self.pos_embed(hidden_states)
         temb = self.time_text_embed(timestep, pooled_projections)
         context = self.context_embedder(encoder_hidden_states)
-        for block in self.transformer_blocks:
+        for i, block in enumerate(self.transformer_blocks):
+            if route is not None and i == route.first:  # set the routed tokens aside
+                everything, index = x, route.keep.to(x.device)[..., None].expand(-1, -1, x.shape[-1])
+                x = everything.gather(1, index)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, context = checkpoint(block, x, context, temb, use_reentrant=False)
             else:
                 x, context = block(x, context, temb)
+            if route is not None and i == route.last:  # and put them back, unchanged, beside the kept ones
+                x = everything.scatter(1, index, x)
         scale, shift = self.norm_out(temb, x.dtype)
         x = self.proj_out(modulate(layer_norm(x), shift, scale))
         # unpatchify: [B, h*w, p*p*C] -> [B, C, h*p, w*p]
@@ -507,33 +514,6 @@ def check_state_dict(model, state_dict, limit=8):
         if unexpected and all(k.startswith(prefix) for k in unexpected) and len(missing) == len(unexpected):
             hint = f"; the keys carry a '{prefix}' prefix: strip it before loading"
     raise StateDictMismatchError(f"state dict does not fit {type(model).__name__}: " + "; ".join(problems) + hint)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# FLOP counting (REFERENCE section 6: about 6 * P_tok + 12 * L * D * T per token; here counted exactly)
-
-
-def training_flops_per_sample(config, height, width, text_len):
-    """Matmul FLOPs of one forward + backward for one sample of latent size height x width.
-
-    Backward costs two matmuls per forward matmul (input and weight gradients), except in the first layers, whose
-    inputs (latents, text embeddings, timestep features) need no gradient. Elementwise work is not counted.
-    """
-    D, p = config.inner_dim, config.patch_size
-    N, L = (height // p) * (width // p), text_len
-    first = N * config.in_channels * p * p * D + L * config.joint_attention_dim * D  # patchify, context embedder
-    first += 256 * D + config.pooled_projection_dim * D  # first linears of the timestep and pooled-text embedders
-    rest = 2 * D * D  # their second linears
-    for i in range(config.num_layers):
-        last, dual = i == config.num_layers - 1, i in config.dual_attention_layers
-        rest += N * 12 * D * D  # q, k, v, out (4 D^2) and the 4x feed-forward (8 D^2)
-        rest += L * (3 if last else 12) * D * D  # the last block only needs the text q, k, v
-        rest += 2 * (N + L) ** 2 * D  # QK^T and attention @ V over the joint sequence
-        rest += D * D * ((9 if dual else 6) + (2 if last else 6))  # adaLN modulation, per sample
-        if dual:
-            rest += N * 4 * D * D + 2 * N * N * D
-    rest += 2 * D * D + N * D * p * p * config.output_channels  # norm_out modulation, proj_out
-    return 2 * (2 * first + 3 * rest)  # 2 FLOPs per multiply-add
 
 
 if __name__ == "__main__":

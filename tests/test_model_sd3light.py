@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import SD3Transformer2DModel
 
+from model.flops import training_flops_per_sample
 from model.model_sd3light import (
     PRESETS,
     SD3Light,
@@ -20,9 +21,7 @@ from model.model_sd3light import (
     count_parameters,
     preset_config,
     presets_table,
-    training_flops_per_sample,
 )
-
 from tests.conftest import CONFIGS, inputs, random_config, randomise
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -155,6 +155,18 @@ def add_weights_memory_args(parser):
       "then clips each parameter's gradient alone")
 
 
+def add_routing_args(parser):
+    """Token routing (TREAD, model/token_routing.py): a random share of the image tokens skips a run of middle
+    blocks in training forwards; sampling and the saved weights never route."""
+    a = parser.recipe.add_argument
+    a("--route_ratio", type=decay, default=0.0, help="the fraction of each sample's image tokens that skip blocks "
+      "--route_first..--route_last while training (0 = off; 0.5 is TREAD's): a step computes about ratio x "
+      "(routed blocks / blocks) less")
+    a("--route_first", type=int, default=2, help="the first block the routed tokens skip")
+    a("--route_last", type=int, default=-2, help="the last block they skip (negative counts from the end: -2 is the "
+      "block before the last)")
+
+
 def add_schedule_args(parser):
     """Warmup, the cosine decay, and how long: --epochs, or --max_steps."""
     parser.recipe.add_argument("--warmup_steps", type=non_negative_int, stage_sets=True)

@@ -25,6 +25,7 @@ from torch import nn
 from model.rectified_flow import (
     add_noise, flow_loss, predict_velocity, sampling_sigmas, shift_sigmas, to_device, with_unconditional,
 )
+from model.token_routing import TokenRouting
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +44,7 @@ class DistillRecipe:
     max_sigma: float
     gan_weight: float
     gan_d_weight: float
+    routing: TokenRouting = TokenRouting()
 
     def sigmas(self):
         """The generator's fixed sigmas (generator_sigmas), as numbers, as its log and its record list them."""
@@ -115,15 +117,15 @@ def generator_step(step, gen_steps, seed):
     return random.Random(seed * 1_000_003 + step).randrange(gen_steps)
 
 
-def velocity(model, x_t, tokens, pooled, s, prediction, dtype):
-    """predict_velocity in autocast `dtype` (None = fp32)."""
+def velocity(model, x_t, tokens, pooled, s, prediction, dtype, route=None):
+    """predict_velocity in autocast `dtype` (None = fp32), routed as `route` says (None: every token)."""
     with torch.autocast(x_t.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        return predict_velocity(model, x_t, tokens, pooled, s, prediction)
+        return predict_velocity(model, x_t, tokens, pooled, s, prediction, route)
 
 
-def predict_x0(model, x_t, tokens, pooled, s, prediction, dtype):
+def predict_x0(model, x_t, tokens, pooled, s, prediction, dtype, route=None):
     """A score's clean-latent estimate x0 = x_t - s * v, in fp32."""
-    v = velocity(model, x_t, tokens, pooled, s, prediction, dtype)
+    v = velocity(model, x_t, tokens, pooled, s, prediction, dtype, route)
     return x_t.float() - s.float().view(-1, 1, 1, 1) * v.float()
 
 
@@ -146,17 +148,18 @@ def guided_x0(teacher, x_t, tokens, pooled, s, recipe):
 
 def generate(nets, noise, text, k, rng, recipe, grad):
     """Backward simulation: the generator's steps 0..k-1 from `noise` without gradients (each x0 re-noised to the
-    next sigma with fresh noise), then its step k, with gradients if `grad` -> x0 of step k (fp32). `text`: the
-    (tokens, pooled) it is conditioned on."""
+    next sigma with fresh noise), then its step k, with gradients if `grad` (then its tokens routed as the recipe
+    says, drawn last) -> x0 of step k (fp32). `text`: the (tokens, pooled) it is conditioned on."""
     x, (tokens, pooled), prediction, dtype = noise, text, recipe.prediction, recipe.autocast
     sigmas = to_device(generator_sigmas(recipe.gen_steps, recipe.gen_shift), noise.device)
     with torch.no_grad():
         for j in range(k):
             x0 = predict_x0(nets.generator, x, tokens, pooled, sigmas[j].expand(len(x)), prediction, dtype)
             x = add_noise(x0, to_device(torch.randn(x.shape, generator=rng), x.device), sigmas[j + 1].expand(len(x)))
+    route = recipe.routing.draw(x, rng) if grad else None
     with torch.set_grad_enabled(grad):
         return predict_x0(nets.generator_train if grad else nets.generator, x, tokens, pooled,
-                          sigmas[k].expand(len(x)), prediction, dtype)
+                          sigmas[k].expand(len(x)), prediction, dtype, route)
 
 
 def dmd_direction(x0_gen, x0_real, x0_fake):
@@ -208,6 +211,22 @@ def fake_score_loss(nets, x0_gen, real, text, s, noise, recipe):
         logits_fake, logits_real = nets.head_train(found["tokens"]).chunk(2)
     gan = F.softplus(logits_fake).mean() + F.softplus(-logits_real).mean()
     return flow_loss(v[:len(x0)], x0, noise, s), recipe.gan_d_weight * gan
+
+
+def distillation_flops(throughput, batch, k, update_generator, recipe, gan):
+    """FLOPs of distillation_losses on `batch` (trainer/metrics.Throughput): the generator's k steps without
+    gradients and its step k (trained on update steps, routed then); on update steps the teacher (twice with
+    guidance above 1, counted as if every sigma were inside its interval), the fake score, and with the GAN
+    (`gan`) the fake score's forward and backward to the sample; the fake score's training forward (real
+    latents too with the GAN)."""
+    scores = throughput.unrouted()
+    flops = throughput.flops(batch, samples=k, grad=False) + throughput.flops(batch, grad=update_generator)
+    if update_generator:
+        flops += scores.flops(batch, samples=2 if recipe.real_guidance != 1.0 else 1, grad=False)
+        flops += scores.flops(batch, grad=False)
+        if gan:
+            flops += scores.flops(batch)
+    return (flops + scores.flops(batch, samples=2 if gan else 1)).model
 
 
 def distillation_losses(nets, components, batch, rng, k, update_generator, recipe):

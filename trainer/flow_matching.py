@@ -6,13 +6,15 @@ from dataclasses import dataclass
 import torch
 
 from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas, to_device
+from model.token_routing import TokenRouting
 
 
 @dataclass(frozen=True, kw_only=True)
 class FlowRecipe:
     """How the flow loss trains: what the model predicts, how the sigmas are drawn (scheme, logit-normal mean and
     std, shift), the loss and its weighting, the caption dropout, and the autocast dtype (None: fp32). A stage
-    builds it from its arguments, whose values are its recipe."""
+    builds it from its arguments, whose values are its recipe. `routing`: the image tokens that skip some blocks
+    (model/token_routing.py; off by default)."""
     prediction: str
     sigma_scheme: str
     logit_mean: float
@@ -22,6 +24,7 @@ class FlowRecipe:
     weighting: str
     caption_dropout: float
     autocast: torch.dtype = None
+    routing: TokenRouting = TokenRouting()
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class FlowLearner:
 def flow_matching_loss(model, components, batch, generator, recipe):
     """Encode (or read) the batch, drop captions, noise the latents at sampled sigmas and score the model's
     velocity (weighted by the batch's masks, if it has them), as `recipe` (FlowRecipe) says. `generator` draws
-    the dropout, the latent sample, the noise and the sigmas, in that order, so a resumed run draws the same."""
+    the dropout, the latent sample, the noise, the sigmas and the routed tokens, in that order, so a resumed run
+    draws the same."""
     device = next(model.parameters()).device
     with torch.no_grad():
         if "latents" in batch:  # from the cache
@@ -57,7 +61,8 @@ def flow_matching_loss(model, components, batch, generator, recipe):
     noise = to_device(torch.randn(latents.shape, generator=generator), device)
     s = to_device(sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
                                 shift=recipe.train_shift, generator=generator), device)
+    route = recipe.routing.draw(latents, generator)
     dtype = recipe.autocast
     with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, recipe.prediction)
+        pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, recipe.prediction, route)
     return flow_loss(pred, latents, noise, s, recipe.loss, recipe.weighting, mask=batch.get("mask"))

@@ -1,11 +1,57 @@
 """What a run shows while it trains: its lines (rank 0, through the progress bar while it shows), the metrics file
-out/<run>_metrics.jsonl (a row a step), the progress bar, wandb, and the curves drawn from the file.
+out/<run>_metrics.jsonl (a row a step), the progress bar, wandb, the curves drawn from the file, and the FLOP/s
+and MFU of its steps (Throughput).
 """
 import json
 import os
+from dataclasses import dataclass, replace
 
 from eval.plot_metrics import plot_runs
 from model.file_io import atomic_write_text
+from model.flops import FlopCount, peak_flops
+from model.token_routing import TokenRouting
+
+
+FORMATS = {"lr": "{:.2e}", "tflop_s": "{:.3g}", "mfu": "{:.1%}"}  # how the progress bar shows a value
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The FLOPs a run's steps compute (model/flops.FlopCount, on latents `downscale` times smaller than its images)
+    and the peak FLOP/s of one device that MFU divides by."""
+    count: FlopCount
+    downscale: int
+    peak: float
+
+    @classmethod
+    def measure(cls, count, downscale, device, dtype):
+        """-> (Throughput, the line that says what a step computes and where the peak comes from)."""
+        peak, source = peak_flops(device, dtype)
+        return cls(count, downscale, peak), f"MFU = model FLOPs a second / {peak / 1e12:.3g} TFLOP/s ({source})"
+
+    def flops(self, batch, samples=1, grad=True):
+        """FLOPs (model/flops.Flops) of one forward of micro-batch `batch` (`samples` times its samples), with its
+        backward if `grad`."""
+        n, height, width = latent_shape(batch, self.downscale)
+        return self.count.forward(n * samples, height, width, grad)
+
+    def unrouted(self):
+        """The same count for a network that never routes (one a stage trains beside the routed one)."""
+        return replace(self, count=replace(self.count, routing=TokenRouting()))
+
+    def rates(self, flops, seconds):
+        """The metrics of a step that computed `flops` (model FLOPs, this process) in `seconds`."""
+        return {"tflop_s": flops / seconds / 1e12, "mfu": flops / seconds / self.peak}
+
+
+def latent_shape(batch, downscale):
+    """(samples, latent height, latent width) of a micro-batch: of its cached latents, or of its images (pairs:
+    of one side)."""
+    for key in ("latents", "chosen_latents"):
+        if key in batch:
+            return len(batch[key]), batch[key].shape[-2], batch[key].shape[-1]
+    images = batch["image"] if "image" in batch else batch["chosen"]
+    return len(images), images.shape[-2] // downscale, images.shape[-1] // downscale
 
 
 class MetricsLog:
@@ -61,7 +107,7 @@ class MetricsLog:
                    "samples_seen": position.samples_seen}
             self.write_row(row if ids is None else {**row, "sample_ids": ids})
             self.last_val = values.get("val_loss", self.last_val)  # the bar keeps the last validation loss in view
-            shown = {name: f"{value:.2e}" if name == "lr" else f"{value:.4f}" for name, value in
+            shown = {name: FORMATS.get(name, "{:.4f}").format(value) for name, value in
                      {**values, "val_loss": self.last_val}.items()
                      if name != "grad_norm" and isinstance(value, float)}
             self.bar.set_postfix(shown, img_s=f"{images_per_s:.0f}")

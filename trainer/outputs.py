@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from dataset.training_data import warn_truncated
 from trainer.checkpointer import Checkpointer
 from trainer.distributed import leave_together
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, Throughput
 from trainer.previews import Previews
 from trainer.resume import resume_lines
 from trainer.startup import log_peak
@@ -16,11 +16,13 @@ from trainer.trainer_utils import run_line, stop_message
 class Outputs:
     """A run's log and metrics (MetricsLog), its sample grids and validation loss (Previews), its resume checkpoint
     (Checkpointer, holding the position and the named objects) and what other tools read (`export`:
-    model/weights.WeightsExport or model/model_lora.LoRAExport)."""
+    model/weights.WeightsExport or model/model_lora.LoRAExport), and the FLOPs and peak its MFU is counted from
+    (metrics.Throughput)."""
     metrics: MetricsLog
     previews: Previews
     checkpointer: Checkpointer
     export: object
+    throughput: Throughput
 
 
 def resume_run(saved, out, stage, parameters, info):

@@ -9,7 +9,7 @@ The chosen and the rejected image of a pair are noised with the same noise at th
 between their losses is the image alone. The implicit reward accuracy is the fraction of pairs with inside > 0
 (ties count half), its margin the mean of inside.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
 from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas, to_device
+from model.token_routing import TokenRouting
 
 
 DRAW_BATCH = 256  # images sampled at once while drawing a round
@@ -31,8 +32,8 @@ DRAW_BATCH = 256  # images sampled at once while drawing a round
 @dataclass(frozen=True, kw_only=True)
 class DPORecipe:
     """How the Flow-DPO loss trains: beta, what the model predicts, how the shared sigmas are drawn (scheme,
-    logit-normal mean and std, shift), and the autocast dtype (None: fp32). The stage builds it from its
-    arguments."""
+    logit-normal mean and std, shift), the autocast dtype (None: fp32) and the token routing (model/token_routing.py;
+    off by default). The stage builds it from its arguments."""
     prediction: str
     dpo_beta: float
     sigma_scheme: str
@@ -40,6 +41,7 @@ class DPORecipe:
     logit_std: float
     train_shift: float
     autocast: torch.dtype = None
+    routing: TokenRouting = TokenRouting()
 
 
 @dataclass(frozen=True)
@@ -122,8 +124,9 @@ def dpo_inside(errors, reference_errors, beta):
 def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
     (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
-    reference model (Reference). `generator` draws each side's latent sample, the shared noise and the shared
-    sigmas, in that order, as `recipe` (DPORecipe) says."""
+    reference model (Reference). `generator` draws each side's latent sample, the shared noise, the shared sigmas
+    and the shared routed tokens (the policy and the reference route alike), in that order, as `recipe` (DPORecipe)
+    says."""
     device = next(policy.parameters()).device
     with torch.no_grad():
         features = pair_batch_features(components, batch, device)
@@ -133,6 +136,9 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     noise = to_device(torch.randn(chosen.shape, generator=generator), device)
     s = to_device(sample_sigmas(len(chosen), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
                                 shift=recipe.train_shift, generator=generator), device)
+    route = recipe.routing.draw(chosen, generator)
+    if route is not None:
+        route = replace(route, keep=torch.cat([route.keep, route.keep]))
     x0, noise, s = torch.cat([chosen, rejected]), torch.cat([noise, noise]), torch.cat([s, s])
     tokens, pooled, x_t = torch.cat([tokens, tokens]), torch.cat([pooled, pooled]), add_noise(x0, noise, s)
     target = (noise - x0).float()
@@ -140,7 +146,7 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
 
     def errors(model):
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction)
+            v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction, route)
         return (v.float() - target).pow(2).flatten(1).mean(1)
 
     with torch.no_grad(), reference() as reference_model:

@@ -28,23 +28,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
+from model.components import text_tokens  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
+from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args,
-    add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
+    add_routing_args, add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int,
+    probability,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distillation import (  # noqa: E402
-    DistillLearner, DistillRecipe, GANHead, Networks, distillation_losses, generator_step,
+    DistillLearner, DistillRecipe, GANHead, Networks, distillation_flops, distillation_losses, generator_step,
 )
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.metrics import MetricsLog, Throughput  # noqa: E402
 from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
 from trainer.position import Position  # noqa: E402
@@ -87,6 +91,7 @@ def parse_args(argv=None):
                         "GAN head's); default: --learning_rate (the generator's)")
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping (per network), EMA, seed
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
+    add_routing_args(parser)  # token routing of the generator's trained forward (off)
     add_export_args(parser)
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
@@ -121,13 +126,15 @@ def check_args(args):
 
 def distill_recipe(args, teacher, autocast):
     """The losses' recipe: what --gen_shift, --score_shift and --real_guidance leave unset is the teacher's own
-    sampling (its record)."""
+    sampling (its record); the generator's trained forward routed as --route_ratio says (a bad value: one line)."""
     gen_shift = args.gen_shift or teacher["sampling"]["shift"]
     guidance = teacher["sampling"]["cfg"] if args.real_guidance is None else args.real_guidance
     return DistillRecipe(prediction=teacher["prediction"], autocast=autocast, gen_steps=args.gen_steps,
                          gen_shift=gen_shift, score_shift=args.score_shift or gen_shift, real_guidance=guidance,
                          guidance_interval=tuple(args.guidance_interval), min_sigma=args.min_sigma,
-                         max_sigma=args.max_sigma, gan_weight=args.gan_weight, gan_d_weight=args.gan_d_weight)
+                         max_sigma=args.max_sigma, gan_weight=args.gan_weight, gan_d_weight=args.gan_d_weight,
+                         routing=TokenRouting.for_model(SD3LightConfig.from_dict(teacher["transformer"]),
+                                                        args.route_ratio, args.route_first, args.route_last))
 
 
 def networks(args, source, info, precision, log):
@@ -224,14 +231,20 @@ def outputs(args, info, data, learner, metrics, source, precision):
     sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
     previews = Previews(nets.generator, ema, learner.components, sampler, args.seed, info,
                         os.path.join(args.out_dir, "samples", name))
-    return position, Outputs(metrics, previews, checkpointer, export)
+    count = FlopCount(nets.generator.config, text_tokens(learner.components), recipe.routing, None,
+                      bool(args.gradient_checkpointing))
+    throughput, line = Throughput.measure(count, learner.components.downscale, info.device,
+                                          precision.autocast or torch.float32)
+    metrics.log(line)
+    return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator, k, update):
+def accumulate(args, batches, learner, generator, k, update, throughput):
     """The step's micro-batches: each network's losses of each (the generator drawing from its step k, with
     gradients on `update` steps), their sum backpropagated scaled so that the gradients accumulate to their mean
-    (each loss reaches its own network; DDP all-reduces them in the last one's backward) -> the sum of each loss."""
-    totals, nets = {}, learner.nets
+    (each loss reaches its own network; DDP all-reduces them in the last one's backward) -> the sum of each loss,
+    and their FLOPs."""
+    totals, flops, nets = {}, 0.0, learner.nets
     for micro, batch in enumerate(batches):
         for net in (nets.generator_train, nets.fake_train, nets.head_train):
             sync_gradients(net, micro == args.accumulation_steps - 1)
@@ -239,7 +252,8 @@ def accumulate(args, batches, learner, generator, k, update):
         (sum(losses.values()) / args.accumulation_steps).backward()
         # on the device: read once a step, after the all-reduce
         totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
-    return totals
+        flops += distillation_flops(throughput, batch, k, update, learner.recipe, nets.head is not None)
+    return totals, flops
 
 
 def step_network(args, net, optimizer, loss, guard, step, log):
@@ -270,7 +284,8 @@ def train(args, info, position, data, learner, out):
             set_lr([opt[n] for n in ("fake_score", "gan_head") if n in opt], lr_at(
                 position.progress, position.plan_steps, args.fake_learning_rate or args.learning_rate,
                 args.warmup_steps, args.min_lr_ratio))
-            totals = accumulate(args, batches, learner, position.generator, k, update_generator)
+            totals, flops = accumulate(args, batches, learner, position.generator, k, update_generator,
+                                       out.throughput)
             # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
                                            stop.received is not None, info)
@@ -287,12 +302,13 @@ def train(args, info, position, data, learner, out):
                 if ema is not None and norms["gen_grad_norm"] is not None:
                     ema.update(position.step)
             position.end_step()
-            images_per_s = position.global_batch / (time.perf_counter() - started)
+            seconds = time.perf_counter() - started
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss}, images_per_s,
+            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss,
+                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
                           None in norms.values(), position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 saving = time.perf_counter()

@@ -35,24 +35,27 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
 from dataset.training_data import DataSettings, validation_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
+from model.components import text_tokens  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
+from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
-from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora  # noqa: E402
+from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_sampling_args, add_schedule_args, add_validation_args, non_negative_float, non_negative_int, positive_float,
-    positive_int,
+    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, non_negative_float,
+    non_negative_int, positive_float, positive_int,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
-from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.metrics import MetricsLog, Throughput  # noqa: E402
 from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
 from trainer.position import Position  # noqa: E402
@@ -101,6 +104,7 @@ def parse_args(argv=None):
     add_optimizer_args(parser)  # batch (of pairs), learning rate, weight decay, clipping, EMA, seed
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser, loss=False)  # the sigmas both sides of a pair share
+    add_routing_args(parser)  # token routing (off)
     add_sampling_args(parser)
     add_export_args(parser)
     add_validation_args(parser)  # --val_data: images, scored by the policy's flow loss
@@ -180,6 +184,7 @@ def main(argv=None):
     # policy and the frozen reference
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
@@ -206,7 +211,7 @@ def main(argv=None):
         if args.ema_decay > 0 else None
     recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
                        logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
-                       autocast=precision.autocast)
+                       autocast=precision.autocast, routing=routing)
     learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe)
     position, out = outputs(args, info, data, learner, metrics, source, {
         "prediction": prediction, **precision.as_args(), **rounds.resolved(isinstance(data.dataset, PairPool))})
@@ -245,13 +250,20 @@ def outputs(args, info, data, learner, metrics, source, resolved):
             model, learner.optimizer), "ema": ema, "pairs": pool, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=learner.recipe.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return position, Outputs(metrics, previews, checkpointer, export)
+    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing,
+                      (args.lora_rank, resolve_targets(args.lora_targets)) if args.lora_rank else None,
+                      bool(args.gradient_checkpointing))
+    throughput, line = Throughput.measure(count, components.downscale, info.device,
+                                          learner.recipe.autocast or torch.float32)
+    metrics.log(line)
+    return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator):
+def accumulate(args, batches, learner, generator, throughput):
     """The step's micro-batches of pairs: the DPO loss of each, backpropagated scaled so that the gradients
-    accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of each logged value."""
-    totals = {}
+    accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of each logged value,
+    and their FLOPs (the policy's forward and backward, and the reference's forward, on both sides of each pair)."""
+    totals, flops = {}, 0.0
     for micro, batch in enumerate(batches):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         losses = flow_dpo_loss(learner.train_model, learner.reference, learner.components, batch, generator,
@@ -259,7 +271,8 @@ def accumulate(args, batches, learner, generator):
         (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
         # on the device: read once a step, after the all-reduce
         totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
-    return totals
+        flops += (throughput.flops(batch, samples=2) + throughput.flops(batch, samples=2, grad=False)).model
+    return totals, flops
 
 
 def train(args, info, position, data, learner, out, rounds):
@@ -278,7 +291,7 @@ def train(args, info, position, data, learner, out, rounds):
                 drawn = refresh_pool(pool, round_, learner.model, learner.components, info, rounds, log)
             lr = set_lr(learner.optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                  args.warmup_steps, args.min_lr_ratio))
-            totals = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
+            totals, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
             # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
                                            stop.received is not None, info)
@@ -294,13 +307,14 @@ def train(args, info, position, data, learner, out, rounds):
                     ema.update(position.step)
             learner.optimizer.zero_grad(set_to_none=True)
             position.end_step()
-            images_per_s = position.global_batch / (time.perf_counter() - started)
+            seconds = time.perf_counter() - started
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss},
-                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
+            metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss,
+                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
+                          warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 saving = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read

@@ -29,22 +29,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings, training_dataset  # noqa: E402
+from model.components import text_tokens  # noqa: E402
 from model.errors import run_main  # noqa: E402
+from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
-from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers  # noqa: E402
+from model.model_lora import (  # noqa: E402
+    TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
+)
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_sampling_args,
-    add_schedule_args, add_validation_args, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_routing_args,
+    add_sampling_args, add_schedule_args, add_validation_args, positive_float, positive_int, probability,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.metrics import MetricsLog, Throughput  # noqa: E402
 from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
 from trainer.position import Position  # noqa: E402
@@ -80,6 +85,7 @@ def parse_args(argv=None):
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
+    add_routing_args(parser)  # token routing (off)
     add_sampling_args(parser)
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
@@ -138,6 +144,7 @@ def main(argv=None):
     # encoders then freed); the estimate; the frozen base weights (in --frozen_dtype) with adapters on them
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     settings = data_settings(args)
     prior = prior_dataset(args, settings, components, config, metrics.log)
@@ -164,7 +171,8 @@ def main(argv=None):
     ema = EMA(LoRAWeights(model), args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
-                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
+                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
+                        routing=routing)
     learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
     position, out = outputs(args, info, data, learner, metrics, source, precision)
     resume_run(saved, out, "lora", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
@@ -197,19 +205,24 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return position, Outputs(metrics, previews, checkpointer, export)
+    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing,
+                      (args.lora_rank, resolve_targets(args.lora_targets)), bool(args.gradient_checkpointing))
+    throughput, line = Throughput.measure(count, components.downscale, info.device, precision.autocast or torch.float32)
+    metrics.log(line)
+    return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator):
+def accumulate(args, batches, learner, generator, throughput):
     """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
-    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses."""
-    total = 0.0
+    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses, and their FLOPs."""
+    total, flops = 0.0, 0.0
     for micro, batch in enumerate(batches):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
         (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
-    return total
+        flops += throughput.flops(batch).model
+    return total, flops
 
 
 def train(args, info, position, data, learner, out):
@@ -222,7 +235,7 @@ def train(args, info, position, data, learner, out):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            total = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
+            total, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
             # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
@@ -238,13 +251,14 @@ def train(args, info, position, data, learner, out):
             for optimizer in learner.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             position.end_step()
-            images_per_s = position.global_batch / (time.perf_counter() - started)
+            seconds = time.perf_counter() - started
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
-                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
+            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
+                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
+                          warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 saving = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read

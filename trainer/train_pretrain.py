@@ -26,23 +26,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
-from model.components import new_components, transformer_widths  # noqa: E402
+from model.components import new_components, text_tokens, transformer_widths  # noqa: E402
+from model.flops import FlopCount  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.loading import meta_model  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_sampling_args, add_schedule_args, add_validation_args, positive_int,
+    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
 from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
 from trainer.ema import EMA  # noqa: E402
 from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.metrics import MetricsLog, Throughput  # noqa: E402
 from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
 from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
 from trainer.position import Position  # noqa: E402
@@ -69,6 +71,7 @@ def parse_args(argv=None):
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
+    add_routing_args(parser)  # token routing (off)
     add_sampling_args(parser)
     add_export_args(parser)
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
@@ -128,6 +131,7 @@ def main(argv=None):
     components = new_components(args.base, args.t5_max_length, GRAMMAR_WORDS, info.device,
                                 torch_dtype(precision.frozen)).to(info.device)
     config = preset_config(args.preset, **transformer_widths(components))
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
     prediction = args.prediction or ("v" if args.base else "x")
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
@@ -148,7 +152,8 @@ def main(argv=None):
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
-                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast)
+                        weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
+                        routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
     position, out = outputs(args, info, data, learner, metrics, precision)
     resume_run(saved, out, "pretrain", model.parameters(), info)  # a resume that does not fit the run: one line
@@ -177,19 +182,24 @@ def outputs(args, info, data, learner, metrics, precision):
         "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    return position, Outputs(metrics, previews, checkpointer, export)
+    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing, None,
+                      bool(args.gradient_checkpointing))
+    throughput, line = Throughput.measure(count, components.downscale, info.device, precision.autocast or torch.float32)
+    metrics.log(line)
+    return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator):
+def accumulate(args, batches, learner, generator, throughput):
     """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
-    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses."""
-    total = 0.0
+    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses, and their FLOPs."""
+    total, flops = 0.0, 0.0
     for micro, batch in enumerate(batches):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
         (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
-    return total
+        flops += throughput.flops(batch).model
+    return total, flops
 
 
 def train(args, info, position, data, learner, out):
@@ -202,7 +212,7 @@ def train(args, info, position, data, learner, out):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            total = accumulate(args, batches, learner, position.generator)  # the loss, backward; gradients add up
+            total, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
             # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
             (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
             grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
@@ -218,13 +228,14 @@ def train(args, info, position, data, learner, out):
             for optimizer in learner.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             position.end_step()
-            images_per_s = position.global_batch / (time.perf_counter() - started)
+            seconds = time.perf_counter() - started
 
             val_loss = None
             if data.validation and (position.step % args.val_interval == 0 or position.finished):
                 val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss},
-                          images_per_s, warning is not None, position.step_ids() if args.log_sample_ids else None)
+            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
+                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
+                          warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.step % args.save_interval == 0 or position.finished or stopping:
                 saving = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
