@@ -8,7 +8,7 @@ The main job (`trainer/train_pretrain.py --max_steps 200`) runs first; pretraini
 DPO then run their defaults for --steps steps, the last four from the main job's weights, one after the other.
 A weights hash covers every tensor of the run's exported .safetensors files (name, dtype, shape, bytes; the files'
 metadata left out, it holds paths and dates); a metrics hash covers the rows of its metrics file without the
-timing field images_per_s.
+timing fields (images_per_s, tflop_s, mfu).
 """
 import argparse
 import glob
@@ -44,11 +44,12 @@ def weights_hash(paths):
 
 
 def metrics_hash(path):
-    """sha256 of the metric rows without images_per_s (the time a step took), keys in their written order."""
+    """sha256 of the metric rows without the columns a step's time sets (images_per_s, tflop_s, mfu), keys in
+    their written order."""
     digest = hashlib.sha256()
     with open(path, encoding="utf-8") as f:
         for line in f:
-            row = {k: v for k, v in json.loads(line).items() if k != "images_per_s"}
+            row = {k: v for k, v in json.loads(line).items() if k not in ("images_per_s", "tflop_s", "mfu")}
             digest.update((json.dumps(row) + "\n").encode())
     return digest.hexdigest()
 

@@ -21,6 +21,7 @@ from model.components import BuiltinComponents
 from model.model_lora import read_lora_file
 from trainer import preference
 from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
+from trainer.metrics import TIMING
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_in_process
@@ -225,7 +226,7 @@ def test_a_stopped_run_resumes_bitwise_on_the_same_pairs(tmp_path, start, monkey
         resume = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
         resume["export"] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
         with open(run_dir / "out" / "dpo_tiny_metrics.jsonl") as f:
-            resume["rows"] = [{k: v for k, v in json.loads(line).items() if k != "images_per_s"} for line in f]
+            resume["rows"] = [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
         return resume
 
     whole, cut = state(tmp_path / "whole"), state(tmp_path / "cut")

@@ -16,6 +16,7 @@ from PIL import Image
 import dataset.samples
 import trainer.train_lora as train_lora
 import trainer.train_pretrain as train_pretrain
+from trainer.metrics import TIMING
 from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset
 from dataset.samples import EpochSamples, shuffled_tags
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset
@@ -195,7 +196,7 @@ def lora_final(run_dir):
     state = load_torch(checkpoint.checkpoint_file(resume, read_manifest(resume, "resume"), ".pt"))
     state["export"] = read_lora_file(str(run_dir / "out" / "lora" / "lora_demo_tiny.safetensors"))[0]
     with open(run_dir / "out" / "lora_demo_tiny_metrics.jsonl") as f:
-        state["logged"] = [{k: v for k, v in row.items() if k != "images_per_s"} for row in map(json.loads, f)]
+        state["logged"] = [{k: v for k, v in row.items() if k not in TIMING} for row in map(json.loads, f)]
     return state
 
 

@@ -117,15 +117,17 @@ def generator_step(step, gen_steps, seed):
     return random.Random(seed * 1_000_003 + step).randrange(gen_steps)
 
 
-def velocity(model, x_t, tokens, pooled, s, prediction, dtype, route=None):
-    """predict_velocity in autocast `dtype` (None = fp32), routed as `route` says (None: every token)."""
+def velocity(model, x_t, tokens, pooled, s, recipe, route=None):
+    """predict_velocity of the recipe's prediction in its autocast dtype (None = fp32), routed as `route` says
+    (None: every token)."""
+    dtype = recipe.autocast
     with torch.autocast(x_t.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        return predict_velocity(model, x_t, tokens, pooled, s, prediction, route)
+        return predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction, route)
 
 
-def predict_x0(model, x_t, tokens, pooled, s, prediction, dtype, route=None):
+def predict_x0(model, x_t, tokens, pooled, s, recipe, route=None):
     """A score's clean-latent estimate x0 = x_t - s * v, in fp32."""
-    v = velocity(model, x_t, tokens, pooled, s, prediction, dtype, route)
+    v = velocity(model, x_t, tokens, pooled, s, recipe, route)
     return x_t.float() - s.float().view(-1, 1, 1, 1) * v.float()
 
 
@@ -134,13 +136,12 @@ def guided_x0(teacher, x_t, tokens, pooled, s, recipe):
     for the samples whose sigma lies in recipe.guidance_interval (lowest, highest], its plain conditional x0
     elsewhere (guidance in a limited interval, Kynkaanniemi et al. 2024); guidance acts on x0 as on v, since x0 is
     affine in v."""
-    prediction, dtype, guidance, interval = recipe.prediction, recipe.autocast, recipe.real_guidance, \
-        recipe.guidance_interval
+    guidance, interval = recipe.real_guidance, recipe.guidance_interval
     inside = (s > interval[0]) & (s <= interval[1])
     if guidance == 1.0 or not bool(inside.any()):
-        return predict_x0(teacher, x_t, tokens, pooled, s, prediction, dtype)
+        return predict_x0(teacher, x_t, tokens, pooled, s, recipe)
     both = predict_x0(teacher, torch.cat([x_t, x_t]), *with_unconditional(tokens, pooled), torch.cat([s, s]),
-                      prediction, dtype)
+                      recipe)
     cond, uncond = both.chunk(2)
     scale = torch.where(inside, guidance, 1.0).view(-1, 1, 1, 1).to(cond)
     return uncond + scale * (cond - uncond)
@@ -150,16 +151,16 @@ def generate(nets, noise, text, k, rng, recipe, grad):
     """Backward simulation: the generator's steps 0..k-1 from `noise` without gradients (each x0 re-noised to the
     next sigma with fresh noise), then its step k, with gradients if `grad` (then its tokens routed as the recipe
     says, drawn last) -> x0 of step k (fp32). `text`: the (tokens, pooled) it is conditioned on."""
-    x, (tokens, pooled), prediction, dtype = noise, text, recipe.prediction, recipe.autocast
+    x, (tokens, pooled) = noise, text
     sigmas = to_device(generator_sigmas(recipe.gen_steps, recipe.gen_shift), noise.device)
     with torch.no_grad():
         for j in range(k):
-            x0 = predict_x0(nets.generator, x, tokens, pooled, sigmas[j].expand(len(x)), prediction, dtype)
+            x0 = predict_x0(nets.generator, x, tokens, pooled, sigmas[j].expand(len(x)), recipe)
             x = add_noise(x0, to_device(torch.randn(x.shape, generator=rng), x.device), sigmas[j + 1].expand(len(x)))
     route = recipe.routing.draw(x, rng) if grad else None
     with torch.set_grad_enabled(grad):
         return predict_x0(nets.generator_train if grad else nets.generator, x, tokens, pooled,
-                          sigmas[k].expand(len(x)), prediction, dtype, route)
+                          sigmas[k].expand(len(x)), recipe, route)
 
 
 def dmd_direction(x0_gen, x0_real, x0_fake):
@@ -172,11 +173,10 @@ def dmd_direction(x0_gen, x0_real, x0_fake):
 def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     """The distribution-matching loss: 0.5 * mse(x, x - grad) with grad fixed, whose gradient in x is `grad`
     (dmd_direction) over the number of elements. Both scores see the noised sample without gradients."""
-    dtype = recipe.autocast
     with torch.no_grad():
         x_t = add_noise(x0_gen.detach(), noise, s)
         x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, recipe)
-        x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, recipe.prediction, dtype)
+        x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, recipe)
         grad = dmd_direction(x0_gen.detach(), x0_real, x0_fake)
     return 0.5 * F.mse_loss(x0_gen, (x0_gen - grad).detach())
 
@@ -185,10 +185,9 @@ def gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
     """The generator's GAN term, gan_weight * softplus(-D(sample)), whose gradient reaches the generator alone: its
     gradient in the sample is taken through the fake score and the head (their weights untouched), then applied
     to x0_gen by a surrogate whose value is the term and whose gradient in x0_gen is that gradient."""
-    dtype = recipe.autocast
     sample = x0_gen.detach().requires_grad_(True)
     with torch.enable_grad(), middle_features(nets.fake) as found:
-        velocity(nets.fake, add_noise(sample, noise, s), tokens, pooled, s, recipe.prediction, dtype)
+        velocity(nets.fake, add_noise(sample, noise, s), tokens, pooled, s, recipe)
         loss = recipe.gan_weight * F.softplus(-nets.head(found["tokens"])).mean()
         (grad,) = torch.autograd.grad(loss, sample)
     pull = (x0_gen * grad.detach()).sum()
@@ -199,15 +198,15 @@ def fake_score_loss(nets, x0_gen, real, text, s, noise, recipe):
     """The fake score's flow loss on the detached generator sample at sigmas `s`, conditioned on `text` (tokens,
     pooled). With the GAN on, the head learns on the same forward, real latents noised alike: gan_d_weight *
     (softplus(D(generated)) + softplus(-D(real))). -> (flow loss, GAN loss or None)."""
-    dtype, (tokens, pooled) = recipe.autocast, text
+    tokens, pooled = text
     x0 = x0_gen.detach()
     if nets.head is None:
-        v = velocity(nets.fake_train, add_noise(x0, noise, s), tokens, pooled, s, recipe.prediction, dtype)
+        v = velocity(nets.fake_train, add_noise(x0, noise, s), tokens, pooled, s, recipe)
         return flow_loss(v, x0, noise, s), None
     with middle_features(nets.fake) as found:
         x_t = torch.cat([add_noise(x0, noise, s), add_noise(real, noise, s)])
         v = velocity(nets.fake_train, x_t, torch.cat([tokens, tokens]), torch.cat([pooled, pooled]),
-                     torch.cat([s, s]), recipe.prediction, dtype)
+                     torch.cat([s, s]), recipe)
         logits_fake, logits_real = nets.head_train(found["tokens"]).chunk(2)
     gan = F.softplus(logits_fake).mean() + F.softplus(-logits_real).mean()
     return flow_loss(v[:len(x0)], x0, noise, s), recipe.gan_d_weight * gan

@@ -97,8 +97,7 @@ def data_settings(args):
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
-    (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed or started; the loop."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
