@@ -24,7 +24,6 @@ from model.flops import GPU_PEAKS, training_flops_per_sample  # noqa: E402
 from model.model_sd3light import SD3Light, count_parameters, preset_config  # noqa: E402
 
 
-
 def machine_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -133,7 +132,7 @@ def main(argv=None):
 
     flops = training_flops_per_sample(config, size, size, text_len) * B
     tokens = B * ((size // config.patch_size) ** 2 + text_len)
-    peak = next((v for k, v in GPU_PEAKS.items() if device.type == "cuda" and k in machine_name("cuda")), None)
+    peak = next((v for k, v in GPU_PEAKS.items() if device.type == "cuda" and machine_name("cuda").endswith(k)), None)
     print(f"date {datetime.date.today()}  machine {machine_name(device.type)}  torch {torch.__version__}  "
           f"threads {args.threads}")
     print(f"preset {args.preset} ({count_parameters(config) / 1e6:.1f}M params)  batch {B}  latent {size}x{size}  "

@@ -7,11 +7,12 @@ diffusers' examples/dreambooth/train_dreambooth_lora_sd3.py), on the same stand-
 
 Both sides take the same inputs: random latents at resolution / 8 (16 channels), SD3's text sequence (77 CLIP + 77
 T5 tokens, 4096 wide) and pooled vector, logit-normal sigmas, the flow-matching MSE on the velocity. Both: the
-transformer's weights frozen in bf16, computing under bf16 autocast (what the example's --mixed_precision
-bf16 does; --dtype fp32 for both on a CPU without bf16 arithmetic), a LoRA of the same rank on the same layers (the example's default: the 8 projections
-of the joint attention), gradient checkpointing, AdamW, gradients clipped to 1. Ours keeps its adapters in fp32
-(SD3-Light and model/model_lora.py), theirs as peft makes them; ours also with token routing
-(model/token_routing.py: --route_ratio of the image tokens past blocks --route_first..--route_last).
+transformer's weights frozen in bf16, computing under bf16 autocast (what the example's --mixed_precision bf16
+does; --dtype fp32 for both on a CPU without bf16 arithmetic), a LoRA of the same rank on the same layers (the
+example's default: the 8 projections of the joint attention), gradient checkpointing, AdamW, gradients clipped
+to 1. It runs on the CPU (a GPU comparison would time with synchronisation and read torch.cuda's peak). Ours
+keeps its adapters in fp32 (SD3-Light and model/model_lora.py), theirs as peft makes them; ours also with token
+routing (model/token_routing.py: --route_ratio of the image tokens past blocks --route_first..--route_last).
 
 Each side runs in a process of its own, so its peak resident memory (getrusage) is its own; the rounds alternate
 the order. The step time is the median over the steps after the first (which warms up).

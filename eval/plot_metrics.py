@@ -20,6 +20,7 @@ from model.file_io import atomic_path  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
 NOT_PLOTTED = ("step", "epoch", "samples_seen", "sample_ids")
+TIMING = ("images_per_s", "tflop_s", "mfu")  # the columns a step's time sets: they differ between equal runs
 FIRST = ("loss", "lr", "grad_norm", "images_per_s")  # the panels' order; other numbers follow, sorted
 UNSMOOTHED = ("lr",)  # a schedule: already smooth (the validation loss is drawn as dots on the loss panel)
 TITLES = {"loss": "loss (smoothed; validation: dots)", "lr": "learning rate", "grad_norm": "gradient norm",

@@ -13,7 +13,11 @@ forward product (the gradient of the input and of the weight), except where noth
 - every weight trains: the first layers (patchify, text and timestep embedders) need no input gradient;
 - LoRA: the frozen products need only their input gradient (none in the embedders and the modulation, whose
   inputs carry no gradient, nor in the first block's q, k, v, which read the embedded tokens); each adapter
-  computes its forward, both weight gradients, and its input gradients where its input needs one.
+  computes its forward, both weight gradients, and its input gradients where its input needs one. This is exact
+  for adapters on the attention (the default targets, tested against torch's FLOP counter); with other targets
+  the first block is counted by the same rules (feed-forward adapters alone: its attention's backward is
+  counted though not computed; modulation adapters: its q, k, v input gradients are computed though not
+  counted).
 
 Token routing (model/token_routing.py) runs blocks first..last on the kept image tokens. Gradient checkpointing
 recomputes each block's forward in the backward: counted apart (`Flops.recompute`), not in MFU, which divides the
@@ -26,8 +30,10 @@ import torch
 
 from model.token_routing import TokenRouting
 
-# Dense bf16 peaks (no sparsity), FLOP/s, by a name the device's name contains
-GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
+# Dense bf16 peaks (no sparsity), FLOP/s, by the end of torch.cuda.get_device_name (an H100 PCIe or NVL, a 3090 Ti
+# and other cards are not listed: their peak is measured)
+GPU_PEAKS = {"H100 80GB HBM3": 989e12, "H200": 989e12, "A100-SXM4-40GB": 312e12, "A100-SXM4-80GB": 312e12,
+             "A100 80GB PCIe": 312e12, "A100-PCIE-40GB": 312e12, "RTX 4090": 165e12, "RTX 3090": 71e12}
 
 
 @dataclass(frozen=True)
@@ -132,16 +138,16 @@ class FlopCount:
     lora: tuple = None
     checkpointing: bool = False
 
-    def forward(self, batch, height, width, grad=True):
-        """Flops of one forward of `batch` samples on latents of height x width (and its backward if `grad`;
-        no-gradient forwards never route)."""
+    def forward(self, batch, height, width, grad=True, routed=None):
+        """Flops of one forward of `batch` samples on latents of height x width, and its backward if `grad`; routed
+        as the run routes if `routed` (default: when `grad`; DPO's reference, a no-gradient forward, is routed)."""
         config, text, lora = self.config, self.text_tokens, self.lora
         p = config.patch_size
         n = (height // p) * (width // p)
         forward = backward = recompute = 0
         for i in range(config.num_layers):
-            routed = grad and self.routing.routes(i)
-            for product in block_products(config, i, self.routing.kept(n) if routed else n, text):
+            routes = (grad if routed is None else routed) and self.routing.routes(i)
+            for product in block_products(config, i, self.routing.kept(n) if routes else n, text):
                 f = product.flops + adapter_forward(product, lora)
                 forward, recompute = forward + f, recompute + f
                 backward += backward_flops(product, lora)
@@ -163,8 +169,9 @@ def measured_peak(device, dtype, repeats=5):
     size = 4096 if device.type == "cuda" else 2048
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
+    torch.mm(a, b)  # warms up
     best = float("inf")
-    for _ in range(repeats + 1):  # the first warms up
+    for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
@@ -179,7 +186,7 @@ def peak_flops(device, dtype):
     """(FLOP/s, where from): a listed GPU's dense bf16 peak, else a peak measured now in `dtype`."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        listed = next((peak for key, peak in GPU_PEAKS.items() if key in name), None)
+        listed = next((peak for key, peak in GPU_PEAKS.items() if name.endswith(key)), None)
         if listed is not None:
             return listed, f"{name}, dense bf16"
     return measured_peak(device, dtype), f"measured: {dtype} matrix products on this {device.type}"

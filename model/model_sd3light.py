@@ -471,7 +471,7 @@ class SD3Light(nn.Module):
         context = self.context_embedder(encoder_hidden_states)
         for i, block in enumerate(self.transformer_blocks):
             if route is not None and i == route.first:  # set the routed tokens aside
-                everything, index = x, route.keep.to(x.device)[..., None].expand(-1, -1, x.shape[-1])
+                everything, index = x, route.keep[..., None].expand(-1, -1, x.shape[-1])
                 x = everything.gather(1, index)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, context = checkpoint(block, x, context, temb, use_reentrant=False)

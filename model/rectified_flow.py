@@ -61,6 +61,7 @@ def to_velocity(out, x_t, s, prediction):
 def predict_velocity(model, x_t, tokens, pooled, s, prediction, route=None):
     """The model's velocity at noisy latents x_t and sigmas s [B] (its timestep input is s * 1000); `route`: the
     image tokens a training forward routes past some blocks (model/token_routing.py), or None."""
+    # unrouted: the plain call, which a diffusers model (no `route` argument) takes too
     out = model(x_t, tokens, pooled, s * 1000) if route is None else model(x_t, tokens, pooled, s * 1000, route=route)
     return to_velocity(out, x_t, s, prediction)
 

@@ -2,25 +2,27 @@
 
 During a training forward a random `ratio` of each sample's image tokens is set aside before block `first`; blocks
 first..last run on the kept tokens (text tokens always join the joint attention), and the set-aside tokens rejoin
-unchanged after block `last`. The loss still covers every token. A step then computes about
-ratio * (last - first + 1) / num_layers less of the blocks. Sampling, validation and exported weights never route:
-only the training losses draw a route and pass it to the model.
+unchanged after block `last`. The loss still covers every token. The routed blocks then compute about `ratio` less
+of their image tokens' linear layers and more than that less of the attention (its cost grows with the square of
+the tokens); the text tokens cost what they did. Sampling, validation and exported weights never route: only the
+training losses draw a route and pass it to the model.
 
-The route is drawn from the run's generator (on the CPU, like the noise and the sigmas), so a resumed run draws
-the same tokens as the uninterrupted one.
+The route is drawn from the run's generator (on the CPU, like the noise and the sigmas, then copied to the
+latents' device without making the host wait), so a resumed run draws the same tokens as the uninterrupted one.
 """
 from dataclasses import dataclass
 
 import torch
 
 from model.errors import UserError
+from model.rectified_flow import to_device
 
 
 class RoutingError(UserError, ValueError):
     pass
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared field by field, its tensor would not give one truth value
 class TokenRoute:
     """One forward's route: `keep` [B, kept] the indices of the image tokens the routed blocks see (ascending),
     and the first and last routed block (non-negative)."""
@@ -69,4 +71,5 @@ class TokenRouting:
             return None
         tokens = (latents.shape[-2] // self.patch_size) * (latents.shape[-1] // self.patch_size)
         order = torch.rand(len(latents), tokens, generator=generator).argsort(dim=1)
-        return TokenRoute(order[:, :self.kept(tokens)].sort(dim=1).values, self.first, self.last)
+        return TokenRoute(to_device(order[:, :self.kept(tokens)].sort(dim=1).values, latents.device), self.first,
+                          self.last)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from eval.plot_metrics import TIMING
 import trainer.train_distill as train_distill
 from eval.sampling import load_for_sampling, sample_images
 from model.checkpoint import checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest
@@ -16,7 +17,6 @@ from model.diffusers_io import scheduler_settings
 from model.rectified_flow import Sampler, sampling_sigmas
 from trainer import distillation
 from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_sigmas
-from trainer.metrics import TIMING
 
 from tests.scripts import run
 from tests.conftest import pretrain_weights, run_stage

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from eval.plot_metrics import TIMING
 import trainer.train_dpo as train_dpo
 from dataset.shapes import GRAMMAR_WORDS, HELD_OUT_PAIRS, ShapesDataset
 from eval.eval_geneval import TASKS, all_prompts, clauses_held, ground_truth_image, prompt_set, training_prompts
@@ -21,7 +22,6 @@ from model.components import BuiltinComponents
 from model.model_lora import read_lora_file
 from trainer import preference
 from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
-from trainer.metrics import TIMING
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_in_process

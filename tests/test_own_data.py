@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 import dataset.samples
+from eval.plot_metrics import TIMING
 import trainer.train_lora as train_lora
 import trainer.train_pretrain as train_pretrain
-from trainer.metrics import TIMING
 from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset
 from dataset.samples import EpochSamples, shuffled_tags
 from dataset.shapes import GRAMMAR_WORDS, ShapesDataset

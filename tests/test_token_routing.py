@@ -96,6 +96,23 @@ def test_ratio_zero_is_a_step_without_routing_and_draws_nothing():
     assert first_difference(results[0][1], results[1][1], "grad") is None
 
 
+def test_a_route_reaches_the_gpu_without_making_the_host_wait(monkeypatch):
+    """Drawn on the CPU from the run's generator, then copied from page-locked memory: the copy does not wait for
+    the kernels queued before it."""
+    class LatentsOnAGPU:
+        shape, device = (2, 4, 6, 6), torch.device("cuda")
+
+        def __len__(self):
+            return 2
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t, *args, **kwargs: calls.append("pin") or t)
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *args, **kwargs: calls.append((args, kwargs)) or t)
+    route = TokenRouting(0.5, 1, 2).draw(LatentsOnAGPU(), torch.Generator().manual_seed(0))
+    assert route.keep.shape == (2, 5) and (route.first, route.last) == (1, 2)
+    assert calls == ["pin", ((torch.device("cuda"),), {"non_blocking": True})]
+
+
 def test_bad_routing_values_are_one_line_each(tmp_path):
     common = ["trainer/train_pretrain.py", "--max_steps", "1", "--out_dir", str(tmp_path), "--save_dir",
               str(tmp_path)]
@@ -179,7 +196,7 @@ def test_the_flop_count_of_a_small_config_equals_a_hand_count():
     # width D 16, a 4 x 4 latent: N = 4 image tokens; L = 3 text tokens. Multiply-adds of one sample's forward:
     first = 4 * 16 * 16 + 3 * 8 * 16 + 256 * 16 + 8 * 16  # patchify, context embedder, the embedders' first linears
     rest = 2 * 16 * 16  # the embedders' second linears
-    rest += 12 * 16 * 16 + 4 * 12 * 16 * 16 + 3 * 12 * 16 * 16 + 2 * 7 * 7 * 16  # block 0: adaLN, image, text, attention
+    rest += 12 * 16 * 16 + 4 * 12 * 16 * 16 + 3 * 12 * 16 * 16 + 2 * 7 * 7 * 16  # block 0: adaLN, image, text, attn
     rest += 8 * 16 * 16 + 4 * 12 * 16 * 16 + 3 * 3 * 16 * 16 + 2 * 7 * 7 * 16  # block 1 (last): text q, k, v only
     rest += 2 * 16 * 16 + 4 * 16 * 16  # norm_out, proj_out
     # backward: two products per product, but the first layers' inputs need no gradient; 2 FLOPs a multiply-add

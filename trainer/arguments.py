@@ -160,8 +160,7 @@ def add_routing_args(parser):
     blocks in training forwards; sampling and the saved weights never route."""
     a = parser.recipe.add_argument
     a("--route_ratio", type=decay, default=0.0, help="the fraction of each sample's image tokens that skip blocks "
-      "--route_first..--route_last while training (0 = off; 0.5 is TREAD's): a step computes about ratio x "
-      "(routed blocks / blocks) less")
+      "--route_first..--route_last while training (0 = off; 0.5 is TREAD's); sampling never routes")
     a("--route_first", type=int, default=2, help="the first block the routed tokens skip")
     a("--route_last", type=int, default=-2, help="the last block they skip (negative counts from the end: -2 is the "
       "block before the last)")

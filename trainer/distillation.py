@@ -216,15 +216,15 @@ def distillation_flops(throughput, batch, k, update_generator, recipe, gan):
     """FLOPs of distillation_losses on `batch` (trainer/metrics.Throughput): the generator's k steps without
     gradients and its step k (trained on update steps, routed then); on update steps the teacher (twice with
     guidance above 1, counted as if every sigma were inside its interval), the fake score, and with the GAN
-    (`gan`) the fake score's forward and backward to the sample; the fake score's training forward (real
-    latents too with the GAN)."""
+    (`gan`) the fake score's forward and its input gradients to the sample (counted as two forwards; the head's
+    few FLOPs left out); the fake score's training forward and backward (real latents too with the GAN)."""
     scores = throughput.unrouted()
     flops = throughput.flops(batch, samples=k, grad=False) + throughput.flops(batch, grad=update_generator)
     if update_generator:
         flops += scores.flops(batch, samples=2 if recipe.real_guidance != 1.0 else 1, grad=False)
         flops += scores.flops(batch, grad=False)
         if gan:
-            flops += scores.flops(batch)
+            flops += scores.flops(batch, samples=2, grad=False)
     return (flops + scores.flops(batch, samples=2 if gan else 1)).model
 
 
@@ -232,7 +232,8 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
     """One micro-batch: encode (or read) it, let the generator draw from noise (its step k; with gradients on
     generator-update steps), then the losses -> {"fake_score", "gan_d" (GAN on), and on update steps "dmd",
     "gan_g" (GAN on)}, weighted: backward takes their sum, and each reaches its own network only. `rng` draws,
-    in order: the latents, the noise, the re-noising, the sigmas and noise of the losses."""
+    in order: the latents, the noise, the re-noising, the student's route (routing on, update steps), the sigmas
+    and noise of the losses."""
     device = next(nets.generator.parameters()).device
     with torch.no_grad():
         features = {key: value.to(device, non_blocking=True) for key, value in batch.items()} if "latents" in \

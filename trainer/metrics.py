@@ -13,7 +13,6 @@ from model.token_routing import TokenRouting
 
 
 FORMATS = {"lr": "{:.2e}", "tflop_s": "{:.3g}", "mfu": "{:.1%}"}  # how the progress bar shows a value
-TIMING = ("images_per_s", "tflop_s", "mfu")  # the columns a step's time sets: they differ between equal runs
 
 
 @dataclass(frozen=True)
@@ -30,11 +29,11 @@ class Throughput:
         peak, source = peak_flops(device, dtype)
         return cls(count, downscale, peak), f"MFU = model FLOPs a second / {peak / 1e12:.3g} TFLOP/s ({source})"
 
-    def flops(self, batch, samples=1, grad=True):
+    def flops(self, batch, samples=1, grad=True, routed=None):
         """FLOPs (model/flops.Flops) of one forward of micro-batch `batch` (`samples` times its samples), with its
-        backward if `grad`."""
+        backward if `grad`, routed if `routed` (default: when `grad`)."""
         n, height, width = latent_shape(batch, self.downscale)
-        return self.count.forward(n * samples, height, width, grad)
+        return self.count.forward(n * samples, height, width, grad, routed)
 
     def unrouted(self):
         """The same count for a network that never routes (one a stage trains beside the routed one)."""

@@ -184,7 +184,8 @@ def main(argv=None):
     # policy and the frozen reference
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
+    # the token routing, checked now: a bad value is one line before any work
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
@@ -271,7 +272,7 @@ def accumulate(args, batches, learner, generator, throughput):
         (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
         # on the device: read once a step, after the all-reduce
         totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
-        flops += (throughput.flops(batch, samples=2) + throughput.flops(batch, samples=2, grad=False)).model
+        flops += (throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
     return totals, flops
 
 

@@ -117,7 +117,8 @@ def main(argv=None):
     # cache (the text encoders then freed); the estimate; the weights
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
+    # the token routing, checked now: a bad value is one line before any work
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)

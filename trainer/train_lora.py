@@ -144,7 +144,8 @@ def main(argv=None):
     # encoders then freed); the estimate; the frozen base weights (in --frozen_dtype) with adapters on them
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
+    # the token routing, checked now: a bad value is one line before any work
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     settings = data_settings(args)
     prior = prior_dataset(args, settings, components, config, metrics.log)

@@ -131,7 +131,8 @@ def main(argv=None):
     components = new_components(args.base, args.t5_max_length, GRAMMAR_WORDS, info.device,
                                 torch_dtype(precision.frozen)).to(info.device)
     config = preset_config(args.preset, **transformer_widths(components))
-    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)  # bad: one line
+    # the token routing, checked now: a bad value is one line before any work
+    routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     prediction = args.prediction or ("v" if args.base else "x")
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
