@@ -8,6 +8,9 @@ from dataclasses import dataclass, replace
 
 from eval.plot_metrics import plot_runs
 from model.file_io import atomic_write_text
+import torch
+
+from model.components import text_tokens
 from model.flops import FlopCount, peak_flops
 from model.token_routing import TokenRouting
 
@@ -24,10 +27,14 @@ class Throughput:
     peak: float
 
     @classmethod
-    def measure(cls, count, downscale, device, dtype):
-        """-> (Throughput, the line that says what a step computes and where the peak comes from)."""
-        peak, source = peak_flops(device, dtype)
-        return cls(count, downscale, peak), f"MFU = model FLOPs a second / {peak / 1e12:.3g} TFLOP/s ({source})"
+    def of_model(cls, model, components, routing, lora, device, dtype):
+        """The count for `model` (its config and gradient checkpointing) trained on `components`, routed as
+        `routing` says, with LoRA's (rank, target suffixes) or None, computing in `dtype` (None: fp32) on `device`
+        -> (Throughput, the line that says where the peak comes from)."""
+        count = FlopCount(model.config, text_tokens(components), routing, lora, bool(model.gradient_checkpointing))
+        peak, source = peak_flops(device, dtype or torch.float32)
+        return cls(count, components.downscale, peak), \
+            f"MFU = model FLOPs a second / {peak / 1e12:.3g} TFLOP/s ({source})"
 
     def flops(self, batch, samples=1, grad=True, routed=None):
         """FLOPs (model/flops.Flops) of one forward of micro-batch `batch` (`samples` times its samples), with its

@@ -28,9 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
-from model.components import text_tokens  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
@@ -231,10 +229,8 @@ def outputs(args, info, data, learner, metrics, source, precision):
     sampler = Sampler(args.resolution, **sampling, prediction=recipe.prediction, autocast=precision.autocast)
     previews = Previews(nets.generator, ema, learner.components, sampler, args.seed, info,
                         os.path.join(args.out_dir, "samples", name))
-    count = FlopCount(nets.generator.config, text_tokens(learner.components), recipe.routing, None,
-                      bool(args.gradient_checkpointing))
-    throughput, line = Throughput.measure(count, learner.components.downscale, info.device,
-                                          precision.autocast or torch.float32)
+    throughput, line = Throughput.of_model(nets.generator, learner.components, recipe.routing, None, info.device,
+                                           precision.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 

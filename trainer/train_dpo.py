@@ -35,9 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
 from dataset.training_data import DataSettings, validation_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
-from model.components import text_tokens  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
@@ -251,11 +249,9 @@ def outputs(args, info, data, learner, metrics, source, resolved):
             model, learner.optimizer), "ema": ema, "pairs": pool, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=learner.recipe.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing,
-                      (args.lora_rank, resolve_targets(args.lora_targets)) if args.lora_rank else None,
-                      bool(args.gradient_checkpointing))
-    throughput, line = Throughput.measure(count, components.downscale, info.device,
-                                          learner.recipe.autocast or torch.float32)
+    throughput, line = Throughput.of_model(model, components, learner.recipe.routing, (
+        args.lora_rank, resolve_targets(args.lora_targets)) if args.lora_rank else None, info.device,
+        learner.recipe.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 

@@ -24,9 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
-from model.components import text_tokens  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
@@ -181,9 +179,8 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing, None,
-                      bool(args.gradient_checkpointing))
-    throughput, line = Throughput.measure(count, components.downscale, info.device, precision.autocast or torch.float32)
+    throughput, line = Throughput.of_model(model, components, learner.recipe.routing, None, info.device,
+                                           precision.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 

@@ -29,9 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings, training_dataset  # noqa: E402
-from model.components import text_tokens  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.flops import FlopCount  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
 from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
@@ -206,9 +204,9 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing,
-                      (args.lora_rank, resolve_targets(args.lora_targets)), bool(args.gradient_checkpointing))
-    throughput, line = Throughput.measure(count, components.downscale, info.device, precision.autocast or torch.float32)
+    throughput, line = Throughput.of_model(model, components, learner.recipe.routing,
+                                           (args.lora_rank, resolve_targets(args.lora_targets)), info.device,
+                                           precision.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 

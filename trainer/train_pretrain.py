@@ -26,8 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
-from model.components import new_components, text_tokens, transformer_widths  # noqa: E402
-from model.flops import FlopCount  # noqa: E402
+from model.components import new_components, transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.loading import meta_model  # noqa: E402
 from model.memory import MemoryPlan, estimate_lines  # noqa: E402
@@ -183,9 +182,8 @@ def outputs(args, info, data, learner, metrics, precision):
         "model": model, "optimizer": NamedOptimizerState(model, learner.optimizers), "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    count = FlopCount(model.config, text_tokens(components), learner.recipe.routing, None,
-                      bool(args.gradient_checkpointing))
-    throughput, line = Throughput.measure(count, components.downscale, info.device, precision.autocast or torch.float32)
+    throughput, line = Throughput.of_model(model, components, learner.recipe.routing, None, info.device,
+                                           precision.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
