@@ -8,7 +8,8 @@ import dataset.training_data
 from trainer.metrics import MetricsLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# faulthandler: a script that dies of a signal (a crash in native code) prints every thread's Python stack
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def command(args, torchrun=0, torchrun_args=()):
