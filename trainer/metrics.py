@@ -6,11 +6,11 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-from eval.plot_metrics import plot_runs
-from model.file_io import atomic_write_text
 import torch
 
+from eval.plot_metrics import plot_runs
 from model.components import text_tokens
+from model.file_io import atomic_write_text
 from model.flops import FlopCount, peak_flops
 from model.token_routing import TokenRouting
 

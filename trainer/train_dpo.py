@@ -249,9 +249,9 @@ def outputs(args, info, data, learner, metrics, source, resolved):
             model, learner.optimizer), "ema": ema, "pairs": pool, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=learner.recipe.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
-    throughput, line = Throughput.of_model(model, components, learner.recipe.routing, (
-        args.lora_rank, resolve_targets(args.lora_targets)) if args.lora_rank else None, info.device,
-        learner.recipe.autocast)
+    lora = (args.lora_rank, resolve_targets(args.lora_targets)) if args.lora_rank else None
+    throughput, line = Throughput.of_model(model, components, learner.recipe.routing, lora, info.device,
+                                           learner.recipe.autocast)
     metrics.log(line)
     return position, Outputs(metrics, previews, checkpointer, export, throughput)
 
