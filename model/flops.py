@@ -23,6 +23,7 @@ Token routing (model/token_routing.py) runs blocks first..last on the kept image
 recomputes each block's forward in the backward: counted apart (`Flops.recompute`), not in MFU, which divides the
 model's own FLOPs (forward + backward) a second by the device's peak.
 """
+import functools
 import time
 from dataclasses import dataclass
 
@@ -164,22 +165,38 @@ def training_flops_per_sample(config, height, width, text_len):
     return FlopCount(config, text_len).forward(1, height, width).model
 
 
-def measured_peak(device, dtype, repeats=5):
-    """FLOP/s of the best of `repeats` square matrix products in `dtype`: a CPU's (or an unlisted GPU's) peak."""
-    size = 4096 if device.type == "cuda" else 2048
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    torch.mm(a, b)  # warms up
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        torch.mm(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+@functools.cache
+def measured_peak(device, dtype, threads, repeats=5, budget=1.0):
+    """FLOP/s of the best of `repeats` square matrix products in `dtype` on `threads` CPU threads: a CPU's (or an
+    unlisted GPU's) peak, measured once per process. The side doubles from 512 up to 2048 (4096 on a GPU) while a
+    product of the next size would take under `budget` seconds, and the products stop once `budget` is spent:
+    where the dtype is emulated (bf16 on a CPU without AVX-512 BF16 runs some 50x slower than fp32) a 2048-wide
+    product takes 15 s, and a 512-wide one reads the same rate."""
+    size, largest = 256, 4096 if device.type == "cuda" else 2048
+    best = 0.0
+    while size < largest and 8 * best < budget:
+        size *= 2
+        generator = torch.Generator(device).manual_seed(0)  # its own: the run's random streams are left alone
+        a, b = (torch.randn(size, size, device=device, generator=generator).to(dtype) for _ in range(2))
+        product_seconds(a, b)  # the first product at a size sets its kernels up
+        best = spent = product_seconds(a, b)
+    for _ in range(repeats - 1):
+        if spent > budget:
+            break
+        seconds = product_seconds(a, b)
+        best, spent = min(best, seconds), spent + seconds
     return 2 * size ** 3 / best
+
+
+def product_seconds(a, b):
+    """Seconds of the product of `a` and `b`."""
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+    started = time.perf_counter()
+    torch.mm(a, b)
+    if a.device.type == "cuda":
+        torch.cuda.synchronize(a.device)
+    return time.perf_counter() - started
 
 
 def peak_flops(device, dtype):
@@ -189,4 +206,5 @@ def peak_flops(device, dtype):
         listed = next((peak for key, peak in GPU_PEAKS.items() if name.endswith(key)), None)
         if listed is not None:
             return listed, f"{name}, dense bf16"
-    return measured_peak(device, dtype), f"measured: {dtype} matrix products on this {device.type}"
+    peak = measured_peak(device, dtype, torch.get_num_threads())
+    return peak, f"measured: {dtype} matrix products on this {device.type}"
