@@ -22,7 +22,6 @@ from model.checkpoint import remove_leftovers, save_checkpoint, stem_of, step_fi
 from model.errors import UserError
 from model.file_io import drop_pages, mapped_ranges
 from trainer.parallel import conform
-from trainer.sharded_checkpoint import read_shards, split_tensors, write_shards
 from trainer.trainer_utils import leaves
 
 
@@ -56,6 +55,8 @@ class Checkpointer:
         saved, shards = {name: state[name] for name in objects}, state.get("shards")
         try:
             if shards or self.info.sharded:  # the run's own state dicts give the layout
+                from trainer.sharded_checkpoint import read_shards  # DCP: sharded runs only (1 s of imports)
+
                 current = {name: objects[name].state_dict() for name, value in saved.items() if value is not None}
                 ours = {name: saved[name] for name in current}
                 saved.update(read_shards(os.path.join(os.path.dirname(where), shards), ours, current, where) if shards
@@ -87,6 +88,8 @@ class Checkpointer:
         states = {name: obj.state_dict() if obj is not None else None for name, obj in self.objects.items()}
         shards = {}
         if self.info.sharded:  # the tensors as DCP shards, the rest in the .pt
+            from trainer.sharded_checkpoint import split_tensors, write_shards
+
             folder = step_file(self.stem, position.step, ".dcp")
             states, tensors = split_tensors(states)
             shards, state["shards"] = write_shards(folder, tensors, self.info), os.path.basename(folder)
