@@ -61,7 +61,7 @@ def quantile_losses(model, components, dataset, num_samples, batch_size, device,
     return heldout_losses(model, encode_heldout(components, dataset, num_samples, batch_size, device), prediction)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default="pretrain_tiny", help="a stage name in --out_dir, or a path")
     parser.add_argument("--data", default="builtin")
@@ -71,7 +71,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--json", default=None, help="also write the result to this JSON file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, components, record = load_weights(args.weights, args.out_dir, device)

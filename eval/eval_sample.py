@@ -22,7 +22,7 @@ from model.errors import UserError, run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR  # noqa: E402
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default=None, help="a stage name in --out_dir, a path, or a diffusers folder "
                         "(a pipeline, or a transformer with --base); default: the LoRA's base weights, else "
@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
     parser.add_argument("--out", default=None, help="PNG path; default samples/<weights>_eval.png beside the "
                         "weights (out/samples/ for out/'s runs)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     prompts = list(args.prompt) + (read_prompt_file(args.prompt_file) if args.prompt_file else [])
     if not prompts:

@@ -85,7 +85,12 @@ def plot_runs(paths, out, title=None, labels=None):
     if not panels:
         raise UserError(f"nothing to plot yet in {', '.join(paths)}: no step has been logged")
     rows = math.ceil(len(panels) / 2)
-    figure = Figure(figsize=(12, 3.4 * rows), dpi=100, layout="constrained")
+    # fixed margins, in inches: matplotlib's constrained layout would double the time of a drawing (0.5 -> 1 s),
+    # which a run pays at every save
+    height = 3.4 * rows
+    figure = Figure(figsize=(12, height), dpi=100)
+    figure.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.75 / height, wspace=0.18,
+                           hspace=0.9 / 3.4 * 2)
     FigureCanvasAgg(figure)
     for k, name in enumerate(panels):
         axes = figure.add_subplot(rows, 2, k + 1)
@@ -120,13 +125,13 @@ def metrics_path(run, out_dir):
     return run if run.endswith(".jsonl") else os.path.join(out_dir, f"{run}_metrics.jsonl")
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run names in --out_dir (e.g. pretrain_tiny) or metrics .jsonl paths")
     parser.add_argument("--out", default=None, help="the PNG to write; default out/samples/<run>_metrics.png, or "
                         "<run>_vs_<run>.png for several")
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     paths = [metrics_path(run, args.out_dir) for run in args.runs]
     names = [os.path.basename(p).removesuffix("_metrics.jsonl") for p in paths]
     out = args.out or os.path.join(args.out_dir, "samples", ("_vs_".join(names) if len(names) > 1 else
