@@ -3,10 +3,16 @@ this process (with a stop signal at a chosen fetch), readers of what a run left,
 Test modules import them from here (`from tests.conftest import ...`), never from one another.
 
 Every test that runs a stage or a script end to end (itself or through a fixture) is marked `slow`, so
-`pytest -m "not slow"` is the quick check of the pieces (a test module may mark more by hand)."""
+`pytest -m "not slow"` is the quick check of the pieces (a test module may mark more by hand).
+
+The suite runs on every core (pytest-xdist, `-n auto` in the README's test command): what several tests read and
+none changes (the briefly pretrained weights, the tiny SD3 folder, test_fsdp.py's runs) is made once for the whole
+run, by the first worker that needs it (`shared`)."""
+import fcntl
 import inspect
 import json
 import os
+import shutil
 import random
 import re
 import signal
@@ -27,7 +33,14 @@ from model.model_sd3light import SD3Light, SD3LightConfig
 
 from tests.scripts import ENV, REPO, command, run_in_process
 
-RUNS_A_STAGE = re.compile(r"\b(run|run_stage|run_in_process|launch|pretrain_weights|main)\(")
+RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_stage|run_in_process|launch|pretrain_weights|main)\(")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist the workers share the cores: each computes on its share of them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -44,6 +57,55 @@ def _source(function):
         return inspect.getsource(function)
     except (OSError, TypeError):
         return ""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Made once for the whole run
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory):
+    """shared(name, build) -> the folder `name`, filled by `build(folder)` once for the whole test run: under
+    pytest-xdist the first worker that asks builds it while the others wait (a file lock), then all read it. What
+    is shared is never changed by a test."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' base folders are made in one folder of the run
+    root = root / "shared"
+    root.mkdir(exist_ok=True)
+
+    def get(name, build):
+        folder = root / name
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / ".built").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                build(folder)
+                (folder / ".built").touch()
+        return folder
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def pretrained(shared):
+    """The weights of pretrain_weights (x-prediction, 2 steps) -> their .json, made once for the whole run."""
+    return str(shared("pretrained", lambda folder: pretrain_weights(folder)) / "pretrain_tiny.json")
+
+
+@pytest.fixture(scope="session")
+def pretrained_v(shared):
+    """The same, v-prediction (with a diffusers transformer folder beside them) -> their .json."""
+    return str(shared("pretrained_v", lambda folder: pretrain_weights(folder, prediction="v")) / "pretrain_tiny.json")
+
+
+@pytest.fixture(scope="session")
+def sd3(shared):
+    """A tiny SD3 pipeline folder (tests/tiny_sd3.py, seed 0) -> its path, made once for the whole run."""
+    from tests.tiny_sd3 import build_folder
+
+    return str(shared("tiny-sd3", lambda folder: build_folder(str(folder))))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -13,9 +13,11 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
 
 def command(args, torchrun=0, torchrun_args=()):
-    """The command line of a script (`args[0]`): plain python, or torchrun with `torchrun` processes per node."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "--nproc_per_node", str(torchrun)] \
-        if torchrun else [sys.executable]
+    """The command line of a script (`args[0]`): plain python, or torchrun with `torchrun` processes per node
+    (--standalone unless `torchrun_args` say where the nodes meet: a free port of its own, so that runs of several
+    test workers do not meet at torchrun's default one)."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", *(torchrun_args or ["--standalone"]),
+                "--nproc_per_node", str(torchrun)] if torchrun else [sys.executable]
     return launcher + list(args)
 
 
@@ -26,6 +28,16 @@ def run(args, torchrun=0, check=True):
         raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-3000:]}")
     return result
+
+
+def run_here(module, argv, capsys):
+    """Run script `module`'s main(argv) in this process, where a test needs no process of its own (no signal,
+    kill, torchrun or exit code to see): what `run` returns, from what it printed, without the seconds of imports
+    a fresh process pays. An exception fails the test, as a failed run does."""
+    capsys.readouterr()  # what was printed before is not the script's
+    module.main(list(argv))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, 0, out, err)
 
 
 def run_in_process(module, argv, monkeypatch, build_dataset=None):

@@ -23,10 +23,11 @@ from model.components import BuiltinComponents
 from model.errors import UserError
 from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
+from trainer.parallel import NamedOptimizerState
 from trainer.resume import RunSpec, check_resume
 from trainer.trainer_utils import StopSignal, lr_at
 
-from tests.scripts import REPO, run, run_in_process
+from tests.scripts import REPO, run, run_here, run_in_process
 from tests.conftest import metric_steps
 from tests.conftest import children, launch, uncommitted, wait_for_step
 
@@ -189,6 +190,33 @@ def test_every_torch_load_in_the_repo_is_weights_only():
 # Resume checks
 
 
+@pytest.mark.parametrize("layout", ["adamw", "two_optimizers", "one_per_parameter"])
+def test_named_optimizer_state_is_what_dcp_writes(layout):
+    """The resume file's optimizer state, named here from the model's parameters, is exactly DCP's
+    get_optimizer_state_dict: the same names, values and groups in the same order, so either reads the other."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = SD3Light(preset_config("tiny"))
+    if layout == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif layout == "two_optimizers":  # --optimizer muon's split (Muon's own steps are slow on a CPU)
+        hidden, rest = model.block_matrices_and_rest()
+        optimizer = [torch.optim.AdamW(hidden, lr=1e-3), torch.optim.AdamW(rest, lr=2e-3)]
+    else:
+        optimizer = [torch.optim.AdamW([param], lr=1e-3) for param in model.parameters()]
+    ours = NamedOptimizerState(model, optimizer)
+    assert first_difference(ours.state_dict(), get_optimizer_state_dict(model, optimizer)) is None  # before a step
+    inputs = torch.randn(2, 12, 16, 16), torch.randn(2, 5, 128), torch.randn(2, 128), torch.tensor([1.0, 500.0])
+    model(*inputs).square().mean().backward()
+    for one in optimizer if isinstance(optimizer, list) else [optimizer]:
+        one.step()
+    mine, dcp = ours.state_dict(), get_optimizer_state_dict(model, optimizer)
+    assert first_difference(mine, dcp) is None
+    assert list(mine["state"]) == list(dcp["state"]) and len(mine["state"]) > 0
+    assert [list(group) for group in mine["param_groups"]] == [list(group) for group in dcp["param_groups"]]
+
+
 def test_resume_refuses_another_identity_and_needs_force_for_recipe_changes():
     args = parse([])
     state = {"kind": "resume", "stage": "pretrain", "args": vars(parse([])), "dataset_size": 20000}
@@ -221,10 +249,10 @@ def one_line_error(result):
 
 
 @pytest.mark.slow
-def test_mismatched_or_foreign_resume_files_are_one_line_errors(tmp_path):
+def test_mismatched_or_foreign_resume_files_are_one_line_errors(tmp_path, capsys):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     dirs = ["--out_dir", out, "--save_dir", ckpt]
-    run([SCRIPT, "--num_samples", "16", "--batch_size", "4", "--max_steps", "2", *QUIET, *dirs])
+    run_here(train_pretrain, ["--num_samples", "16", "--batch_size", "4", "--max_steps", "2", *QUIET, *dirs], capsys)
     resume_json = os.path.join(ckpt, "pretrain_tiny_resume.json")
     error = one_line_error(run([SCRIPT, "--preset", "small", "--from_resume", resume_json, "--num_samples", "16",
                                 "--batch_size", "4", *dirs], check=False))
@@ -267,8 +295,9 @@ class SignalAtFetch(torch.utils.data.Dataset):
         return self.data[i]
 
 
-def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0", recipe=()):
-    argv = ["--num_samples", str(len(dataset)), "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "9",
+def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0", recipe=(), max_steps=9):
+    argv = ["--num_samples", str(len(dataset)), "--batch_size", "2", "--accumulation_steps", "2", "--max_steps",
+            str(max_steps),
             "--save_interval", "3", "--ema_decay", "0.9", *QUIET, *recipe, "--from_resume", from_resume,
             "--out_dir", str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")]
     with monkeypatch.context() as patch:
@@ -287,23 +316,29 @@ def final_state(tmp_path):
     return state
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: two optimizers, both states in the checkpoint
-def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path, monkeypatch, optimizer):
-    data, recipe = ShapesDataset("train", 24, 32), ["--optimizer", optimizer]  # 6 steps of 4 an epoch: the run
-    step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch, recipe=recipe)  # crosses one
-    assert step == 9
-    # the signal comes while step 5's first micro-batch is fetched (4 samples a step): the step completes first
-    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * 4 + 1), monkeypatch, recipe=recipe)
-    assert step == 5 and "stopped by SIGTERM at step 5, checkpoint saved" in messages[-1]
-    assert read_manifest(str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == 5
+# muon: two optimizers, both states in the checkpoint. Its orthogonalisation computes in bf16, which a CPU without
+# AVX-512 BF16 emulates (14 s a step of the tiny model): its run is the shortest that still stops inside an epoch and
+# resumes across the epoch's end (3 steps an epoch, stopped at step 2, to step 6)
+@pytest.mark.parametrize("optimizer, samples, stop", [("adamw", 24, 5), ("muon", 12, 2)])
+def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path, monkeypatch, optimizer, samples,
+                                                                        stop):
+    data, recipe = ShapesDataset("train", samples, 32), ["--optimizer", optimizer]  # 4 samples a step
+    steps = samples // 4 + 3  # the run crosses one epoch's end
+    step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch, recipe=recipe, max_steps=steps)
+    assert step == steps
+    # the signal comes while step `stop`'s first micro-batch is fetched: the step completes first
+    step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data, at=4 * (stop - 1) + 1), monkeypatch,
+                                      recipe=recipe, max_steps=steps)
+    assert step == stop and f"stopped by SIGTERM at step {stop}, checkpoint saved" in messages[-1]
+    assert read_manifest(str(tmp_path / "cut" / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == stop
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is gone after the run returns
     step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1",
-                                      recipe=recipe)
-    assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
+                                      recipe=recipe, max_steps=steps)
+    assert step == steps and any(f"at step {stop} (epoch 0, {4 * stop} samples seen)" in m for m in messages)
     whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
     for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
-    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
+    assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, steps + 1))
 
 
 @pytest.mark.slow

@@ -18,18 +18,19 @@ from model.rectified_flow import Sampler, sampling_sigmas
 from trainer import distillation
 from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_sigmas
 
-from tests.scripts import run
-from tests.conftest import pretrain_weights, run_stage
+import eval.eval_sample as eval_sample
+import trainer.train_lora as train_lora
+from tests.scripts import run, run_here
+from tests.conftest import run_stage
 from tests.conftest import dirs
-from tests.tiny_sd3 import build_folder
 
 FAST = ["--warmup_steps", "2", "--gen_steps", "2", "--gen_update_ratio", "2", "--batch_size", "2",
         "--num_samples", "16", "--sample_interval", "0"]
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory):
-    return pretrain_weights(tmp_path_factory.mktemp("teacher"))
+def teacher(pretrained):
+    return pretrained
 
 
 def argv(run_dir, teacher_path, *extra):
@@ -162,14 +163,14 @@ def test_a_stopped_run_resumes_bitwise_exactly_with_the_gan_on(tmp_path, teacher
         assert first_difference(whole[key], cut[key], key) is None, key
 
 
-def test_the_export_samples_in_the_generators_steps_without_being_told(tmp_path, teacher, monkeypatch):
+def test_the_export_samples_in_the_generators_steps_without_being_told(tmp_path, teacher, monkeypatch, capsys):
     run_stage(train_distill, argv(tmp_path, teacher, "--max_steps", "2"), monkeypatch)
     record = json.loads((tmp_path / "out" / "distill_tiny.json").read_text())
     assert record["sampling"] == {"steps": 2, "cfg": 1.0, "shift": 3.0, "renoise": True}
     assert record["generator_sigmas"] == [1.0, 0.75] and record["teacher"]["step"] == 2
     out = tmp_path / "grid.png"
-    result = run(["eval/eval_sample.py", "--weights", str(tmp_path / "out" / "distill_tiny.json"), "--prompt",
-                  "a red circle", "--out", str(out)])
+    result = run_here(eval_sample, ["--weights", str(tmp_path / "out" / "distill_tiny.json"), "--prompt",
+                                    "a red circle", "--out", str(out)], capsys)
     assert "(2 steps, cfg 1.0, shift 3.0" in result.stdout and out.is_file()
 
 
@@ -184,10 +185,10 @@ def test_bad_settings_are_one_line_errors(tmp_path, teacher, bad, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_a_lora_file_as_teacher_is_a_one_line_error(tmp_path, teacher):
-    run(["trainer/train_lora.py", "--from_weight", teacher, "--num_samples", "4", "--prior_data", "none",
-         "--batch_size", "2", "--max_steps", "1", "--sample_steps", "1", "--out_dir", str(tmp_path / "out"),
-         "--save_dir", str(tmp_path / "ckpt")])
+def test_a_lora_file_as_teacher_is_a_one_line_error(tmp_path, teacher, capsys):
+    run_here(train_lora, ["--from_weight", teacher, "--num_samples", "4", "--prior_data", "none", "--batch_size", "2",
+                          "--max_steps", "1", "--sample_steps", "1", "--out_dir", str(tmp_path / "out"), "--save_dir",
+                          str(tmp_path / "ckpt")], capsys)
     lora = str(tmp_path / "out" / "lora" / "lora_demo_tiny.safetensors")
     result = run(["trainer/train_distill.py", *argv(tmp_path, lora)], check=False)
     assert result.returncode != 0 and "is a LoRA" in result.stderr and "Traceback" not in result.stderr
@@ -210,13 +211,11 @@ def test_two_processes_shard_like_ddp(tmp_path, teacher):
 
 
 @pytest.mark.slow
-def test_a_distilled_sd3_transformer_samples_in_diffusers_with_the_recorded_steps(tmp_path_factory):
+def test_a_distilled_sd3_transformer_samples_in_diffusers_with_the_recorded_steps(tmp_path, sd3, capsys):
     from diffusers import StableDiffusion3Pipeline
 
-    tmp_path = tmp_path_factory.mktemp("distill_sd3")
-    sd3 = build_folder(str(tmp_path / "tiny-sd3"))
-    run(["trainer/train_distill.py", "--base", sd3, "--from_weight", "base", "--preset", "sd3-tiny", "--data",
-         "builtin", *FAST, "--max_steps", "2", "--export_pipeline", *dirs(tmp_path)])
+    run_here(train_distill, ["--base", sd3, "--from_weight", "base", "--preset", "sd3-tiny", "--data", "builtin",
+                             *FAST, "--max_steps", "2", "--export_pipeline", *dirs(tmp_path)], capsys)
     out = tmp_path / "out"
     record = json.loads((out / "distill_sd3-tiny.json").read_text())
     assert record["sampling"]["steps"] == 2 and record["sampling"]["renoise"] and record["prediction"] == "v"

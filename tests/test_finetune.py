@@ -20,8 +20,8 @@ from tests.conftest import QUIET, final_state, lora_export, pretrain_weights, ru
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return pretrain_weights(tmp_path_factory.mktemp("base"))
+def base(pretrained):
+    return pretrained
 
 
 STAGES = {
@@ -115,8 +115,8 @@ def test_from_weight_of_another_preset_is_a_one_line_error(tmp_path, base, scrip
     assert len(lines) == 1 and "holds 'tiny' weights, not --preset small" in lines[0]
 
 
-def test_sft_keeps_the_prediction_of_its_weights(tmp_path, monkeypatch):
-    v_weights = pretrain_weights(tmp_path / "v", prediction="v")
+def test_sft_keeps_the_prediction_of_its_weights(tmp_path, monkeypatch, pretrained_v):
+    v_weights = pretrained_v
     out = str(tmp_path / "sft")
     common = ["--from_weight", v_weights, "--num_samples", "8", "--batch_size", "4", "--max_steps", "1",
               "--sample_interval", "0", *QUIET, "--out_dir", out, "--save_dir", str(tmp_path / "ckpt")]

@@ -1,6 +1,7 @@
 """Sharded training (--fsdp 1): FSDP2 trains like DDP, its DCP resume checkpoints resume bitwise on the same
 processes and on any other number of processes or mode, a kill in the middle of a save loses nothing, the
 exported weights are the gathered ones and load in diffusers, and bad settings are one line."""
+import functools
 import io
 import json
 import math
@@ -9,6 +10,7 @@ import pickle
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from model.checkpoint import (
     CheckpointError, checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest,
 )
 from eval.sampling import load_for_sampling
-from model.errors import UserError
+from model.errors import UserError, run_main
 from model.model_sd3light import SD3Light, preset_config
 from trainer.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
@@ -29,7 +31,7 @@ from trainer.trainer_utils import leaves, map_leaves
 
 from tests.scripts import run, run_in_process
 from tests.conftest import children, launch, uncommitted, wait_for_step
-from tests.conftest import lora_export, pretrain_weights, sft_export
+from tests.conftest import lora_export, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
 # a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
@@ -42,28 +44,38 @@ MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1"
          "single_8bit": (0, ["--optimizer", "adamw8bit"])}
 
 
+# Under pytest-xdist the tests that read the same legs run on one worker (they would wait there for each other's
+# legs anyway): those of fp32 AdamW on one, those of 8-bit AdamW on another
+ON_LEGS, ON_8BIT_LEGS = pytest.mark.xdist_group("fsdp_legs"), pytest.mark.xdist_group("fsdp_8bit_legs")
+
+
 def folders(path):
     return ["--out_dir", str(path / "out"), "--save_dir", str(path / "ckpt")]
 
 
-@pytest.fixture(scope="module")
-def legs(tmp_path_factory):
+@pytest.fixture(scope="session")
+def legs(shared):
     """legs(mode, steps, after=None) -> the folder of a run of RECIPE in `mode` to `steps` steps; with `after`
-    (mode, steps), a copy of that leg's folder resumed. Each leg runs once for the whole module."""
-    root, done = tmp_path_factory.mktemp("legs"), {}
-
+    (mode, steps), a copy of that leg's folder resumed. Each leg runs once for the whole test run."""
     def leg(mode, steps, after=None):
         name = f"{after[0]}_{after[1]}-{mode}_{steps}" if after else f"{mode}_{steps}"
-        if name not in done:
-            torchrun, extra = MODES[mode]
-            if after:
-                shutil.copytree(leg(*after), root / name)
-                extra = extra + ["--from_resume", "1"]
-            run(RECIPE + ["--max_steps", str(steps)] + extra + folders(root / name), torchrun=torchrun)
-            done[name] = root / name
-        return done[name]
+        return shared(f"leg-{name}", lambda folder: run_leg(folder, mode, steps, leg(*after) if after else None))
 
     return leg
+
+
+def run_leg(folder, mode, steps, resumed=None):
+    """Run RECIPE in `mode` to `steps` steps in `folder`; or resume there a copy of the run folder `resumed`. A
+    mode of one process runs in this one (run_main tears its process group down, as at a script's end)."""
+    torchrun, extra = MODES[mode]
+    if resumed:
+        shutil.copytree(resumed, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".built"))
+        extra = extra + ["--from_resume", "1"]
+    args = RECIPE + ["--max_steps", str(steps)] + extra + folders(folder)
+    if torchrun:
+        run(args, torchrun=torchrun)
+    else:
+        run_main(functools.partial(train_pretrain.main, args[1:]))
 
 
 def whole_resume_state(folder, name="pretrain_tiny"):
@@ -119,6 +131,7 @@ def sample_ids(folder):
 # Training and resuming
 
 
+@ON_LEGS
 @pytest.mark.slow
 def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
     fsdp, ddp = legs("fsdp2", 3), legs("ddp2", 3)
@@ -139,12 +152,14 @@ def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
         assert torch.equal(value.float(), weights[key].float()), key
 
 
+@ON_LEGS
 @pytest.mark.slow
 def test_an_fsdp_run_stopped_and_resumed_equals_the_uninterrupted_run_bitwise(legs):
     whole, resumed = legs("fsdp2", 6), legs("fsdp2", 6, after=("fsdp2", 3))
     assert_resumed_bitwise(whole, resumed)
 
 
+@ON_LEGS
 @pytest.mark.slow
 @pytest.mark.parametrize("first,then,ref_first,ref_then", [
     ("fsdp2", "fsdp1", "ddp2", "single"),  # FSDP 2 -> 1 as DDP 2 -> 1
@@ -169,6 +184,7 @@ def dequantized(state):
     return map_leaves(state, lambda path, t: t.dequantize() if hasattr(t, "dequantize") else t)
 
 
+@ON_8BIT_LEGS
 @pytest.mark.slow
 def test_8bit_adamw_under_fsdp_saves_verified_resumes_bitwise_and_finishes(legs):
     import torchao.optim  # noqa: F401  (its 8-bit state is what the shards hold: torch.load allows it once imported)
@@ -179,6 +195,7 @@ def test_8bit_adamw_under_fsdp_saves_verified_resumes_bitwise_and_finishes(legs)
     assert shard_bytes(legs("fsdp2_8bit", 3)) < 0.7 * shard_bytes(legs("fsdp2", 3))
 
 
+@ON_8BIT_LEGS
 @pytest.mark.slow
 @pytest.mark.parametrize("first,then,ref_first,ref_then", [
     ("single_8bit", "fsdp2_8bit", "single_8bit", "ddp2_8bit"),  # whole 8-bit states cut into shards
@@ -195,6 +212,7 @@ def test_8bit_adamw_resumes_across_sharding_like_ddp(legs, first, then, ref_firs
     assert len(ids) == len(set(ids)) == whole_resume_state(mine)["samples_seen"]
 
 
+@ON_LEGS
 @pytest.mark.slow
 def test_hybrid_sharding_trains_like_ddp(legs):
     assert_close_states(whole_resume_state(legs("hsdp2", 3)), whole_resume_state(legs("ddp2", 3)))
@@ -223,6 +241,7 @@ def alive(pid):
         return False
 
 
+@ON_LEGS
 @pytest.mark.slow
 def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs):
     """Saves on every step. Killed (both processes and torchrun) as soon as a save's shard folder appears, i.e.
@@ -247,6 +266,7 @@ def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs
         assert first_difference(whole[key], resumed[key], key) is None, key
 
 
+@ON_LEGS
 @pytest.mark.slow
 def test_compiled_blocks_train_under_fsdp(tmp_path, legs):
     run(RECIPE + ["--max_steps", "2", "--compile", "1"] + MODES["fsdp2"][1] + folders(tmp_path), torchrun=2)
@@ -257,9 +277,8 @@ def test_compiled_blocks_train_under_fsdp(tmp_path, legs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "lora"])
-def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, stage):
-    base = tmp_path_factory.mktemp("base")
-    pretrain_weights(base, prediction="v")  # with a diffusers transformer folder beside it
+def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, pretrained_v, stage):
+    base = Path(pretrained_v).parent  # with a diffusers transformer folder beside the weights
     script, name, export, data = {
         "sft": ("trainer/train_full_sft.py", "sft_tiny", sft_export, []),
         "lora": ("trainer/train_lora.py", "lora_demo_tiny", lora_export, ["--prior_samples", "12"])}[stage]
@@ -357,6 +376,7 @@ def test_a_shard_size_that_does_not_divide_the_processes_is_one_line_before_any_
     assert not os.path.exists(tmp_path / "out") and not os.path.exists(tmp_path / "ckpt")
 
 
+@ON_LEGS
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 def test_incomplete_shards_are_a_one_line_error(tmp_path, legs, damage):

@@ -6,7 +6,9 @@ import pytest
 
 from eval.eval_geneval import TASKS, ground_truth_accuracy, is_correct, prompt_set
 from eval.shape_scorer import find_objects
-from tests.scripts import run
+import eval.eval_geneval as eval_geneval
+import trainer.train_pretrain as train_pretrain
+from tests.scripts import run_here
 
 
 @pytest.mark.parametrize("resolution,seeds", [(32, 4), (64, 1)])
@@ -68,15 +70,15 @@ def test_prompt_sets_are_fixed_and_held_out_prompts_hold_a_held_out_pair():
 
 
 @pytest.mark.slow
-def test_a_barely_trained_model_scores_far_below_ground_truth(tmp_path):
+def test_a_barely_trained_model_scores_far_below_ground_truth(tmp_path, capsys):
     out = str(tmp_path / "out")
-    run(["trainer/train_pretrain.py", "--num_samples", "32", "--batch_size", "4", "--max_steps", "3",
-         "--warmup_steps", "1", "--sample_interval", "0", "--sample_steps", "1", "--out_dir", out,
-         "--save_dir", str(tmp_path / "ckpt")])
+    run_here(train_pretrain, ["--num_samples", "32", "--batch_size", "4", "--max_steps", "3", "--warmup_steps", "1",
+                              "--sample_interval", "0", "--sample_steps", "1", "--out_dir", out, "--save_dir",
+                              str(tmp_path / "ckpt")], capsys)
     common = ["--prompts_per_task", "4", "--seeds", "2", "--out_dir", out]
-    truth = run(["eval/eval_geneval.py", "--ground_truth", *common, "--json", str(tmp_path / "gt.json")])
-    model = run(["eval/eval_geneval.py", "--weights", "pretrain_tiny", *common, "--steps", "4",
-                 "--json", str(tmp_path / "model.json")])
+    truth = run_here(eval_geneval, ["--ground_truth", *common, "--json", str(tmp_path / "gt.json")], capsys)
+    model = run_here(eval_geneval, ["--weights", "pretrain_tiny", *common, "--steps", "4", "--json",
+                                    str(tmp_path / "model.json")], capsys)
     assert truth.stdout.strip().splitlines()[-1] == "overall: 1.000"
     last = model.stdout.strip().splitlines()[-1]
     assert last.startswith("overall: ") and float(last.split()[-1]) < 0.3

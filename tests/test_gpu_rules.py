@@ -134,10 +134,8 @@ def test_ddp_does_not_broadcast_the_constant_buffers(group_of_one):
     assert wrapped.broadcast_buffers is False
 
 
-def test_under_fsdp_rank_0_loads_on_the_cpu_and_shards_from_there(tmp_path):
-    from tests.conftest import pretrain_weights
-
-    source = startup.start_weights_source(pretrain_weights(tmp_path), "tiny", None, str(tmp_path))
+def test_under_fsdp_rank_0_loads_on_the_cpu_and_shards_from_there(tmp_path, pretrained):
+    source = startup.start_weights_source(pretrained, "tiny", None, str(tmp_path))
     # a "GPU" no tensor may reach: under FSDP rank 0 loads on the CPU, the other ranks hold nothing
     sharded = DistInfo(device=torch.device("meta"), mesh=object())
     assert sharded.load_device == torch.device("cpu") and DistInfo(device=CUDA).load_device == CUDA

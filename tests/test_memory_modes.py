@@ -9,12 +9,12 @@ from model.errors import UserError
 from trainer.fused_step import StepInBackward
 from trainer.trainer_utils import adamw
 
-from tests.conftest import QUIET, final_state, pretrain_weights, run_stage, sft_export
+from tests.conftest import QUIET, final_state, run_stage, sft_export
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return pretrain_weights(tmp_path_factory.mktemp("base"))
+def base(pretrained):
+    return pretrained
 
 
 MODES = {

@@ -32,7 +32,7 @@ from model.rectified_flow import flow_loss
 from model.weights import load_weights
 
 from tests.scripts import REPO, run_in_process
-from tests.conftest import QUIET, pretrain_weights
+from tests.conftest import QUIET
 from tests.conftest import CAT, noise_image, save_array_png as save_png
 
 
@@ -164,8 +164,8 @@ def test_a_black_mask_gives_zero_loss_and_no_gradient_from_its_region():
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return pretrain_weights(tmp_path_factory.mktemp("own_base"))
+def base(pretrained):
+    return pretrained
 
 
 def lora_argv(base, folder, run_dir, *extra):

@@ -27,18 +27,12 @@ from trainer import startup
 from trainer.distributed import DistInfo
 from trainer.startup import start_weights_source
 
-from tests.scripts import run, run_in_process
+from tests.scripts import run, run_here, run_in_process
 from tests.conftest import final_state
-from tests.tiny_sd3 import build_folder
 
 SMALL = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--preset", "sd3-tiny", "--resolution", "32",
          "--num_samples", "4"]
 FAST = [*SMALL, "--sample_steps", "1", "--sample_interval", "0"]
-
-
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    return build_folder(str(tmp_path_factory.mktemp("sd3") / "tiny-sd3"))
 
 
 def dirs(tmp_path):
@@ -97,10 +91,8 @@ def test_every_frozen_network_is_held_in_the_frozen_dtype_and_what_trains_in_fp3
         assert torch.equal(value.to(held), model.state_dict()[name]), name
 
 
-def test_the_built_in_components_on_a_cpu_stay_fp32(tmp_path):
-    from tests.conftest import pretrain_weights
-
-    weights = pretrain_weights(tmp_path)
+def test_the_built_in_components_on_a_cpu_stay_fp32(tmp_path, pretrained):
+    weights = pretrained
     args, lora = started(train_lora, "lora", {"model": "adapted"},
                          ["--from_weight", weights, "--num_samples", "4", "--prior_data", "none", *dirs(tmp_path)],
                          adapt=adapters)
@@ -213,14 +205,14 @@ def test_adamw8bit_stops_and_resumes_bitwise_and_trains_like_adamw(tmp_path, mon
     assert moved < 0.05 * sum(v.norm() ** 2 for v in adamw["model"].values()) ** 0.5
 
 
-def test_an_int8_lora_trains_and_its_file_loads_in_diffusers(tmp_path, sd3):
+def test_an_int8_lora_trains_and_its_file_loads_in_diffusers(tmp_path, sd3, capsys):
     from diffusers import StableDiffusion3Pipeline
 
     from eval.sampling import load_for_sampling, sample_images
     from tests.conftest import diffusers_image
 
-    result = run(["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--frozen_dtype", "int8",
-                  "--prior_data", "none", "--learning_rate", "0.05", *FAST, *dirs(tmp_path)])
+    result = run_here(train_lora, ["--base", sd3, "--from_weight", "base", "--frozen_dtype", "int8", "--prior_data",
+                                   "none", "--learning_rate", "0.05", *FAST, *dirs(tmp_path)], capsys)
     assert "frozen networks held in int8" in result.stdout and "frozen in int8" in result.stdout
     lora_path = tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"
     model, components, _, _ = load_for_sampling(None, str(tmp_path / "out"), "cpu", lora=str(lora_path))

@@ -19,19 +19,16 @@ from model.checkpoint import first_difference, load_safetensors, read_manifest
 from model.components import SD3Components
 from model.errors import UserError
 from model.weights import load_weights
+import eval.eval_sample as eval_sample
 import trainer.train_full_sft as train_full_sft
-from tests.scripts import run, run_in_process
+import trainer.train_lora as train_lora
+from tests.scripts import run, run_here, run_in_process
 from tests.conftest import SignalAt, final_state
 from tests.tiny_sd3 import build_folder
 from tests.conftest import diffusers_image, dirs
 
 FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
         "--preset", "sd3-tiny", "--resolution", "32"]
-
-
-@pytest.fixture(scope="module")
-def sd3(tmp_path_factory):
-    return build_folder(str(tmp_path_factory.mktemp("sd3") / "tiny-sd3"))
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +45,11 @@ def photos(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline(tmp_path, sd3, photos):
+def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline(tmp_path, sd3, photos, capsys):
     from diffusers import StableDiffusion3Pipeline
 
-    args = ["trainer/train_pretrain.py", "--base", sd3, "--data", str(photos), *FAST, *dirs(tmp_path)]
-    first = run(args + ["--export_pipeline"])
+    args = ["--base", sd3, "--data", str(photos), *FAST, *dirs(tmp_path)]
+    first = run_here(train_pretrain, args + ["--export_pipeline"], capsys)
     assert "encoding 5 samples" in first.stdout and "buckets" in first.stdout
     assert "warning: 1 caption(s) were longer than CLIP's 77 tokens" in first.stdout
     out = tmp_path / "out"
@@ -60,13 +57,13 @@ def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline
     assert record["prediction"] == "v" and record["components"]["kind"] == "sd3"
 
     # built once: the second run reuses it (and --cache_only stops there)
-    again = run(args + ["--cache_only"])
+    again = run_here(train_pretrain, args + ["--cache_only"], capsys)
     assert "reusing 5 samples" in again.stdout and "encoding" not in again.stdout
     # a changed caption, or another resolution, rebuilds it
     (photos / "p1.txt").write_text("a small blue square")
-    changed = run(args + ["--cache_only"])
+    changed = run_here(train_pretrain, args + ["--cache_only"], capsys)
     assert "stale (changed: captions" in changed.stdout and "encoding 5 samples" in changed.stdout
-    resized = run([*args, "--cache_only", "--resolution", "48"])
+    resized = run_here(train_pretrain, [*args, "--cache_only", "--resolution", "48"], capsys)
     assert "stale" in resized.stdout and "resolution" in resized.stdout and "encoding 5 samples" in resized.stdout
 
     # the exported pipeline folder loads in diffusers and draws what we draw, for a prompt and seed
@@ -82,25 +79,25 @@ def test_pretrain_on_sd3_components_caches_once_and_exports_a_diffusers_pipeline
     # eval_sample on the run's weights, and on a diffusers folder (the base's own transformer)
     for weights in (str(out / "pretrain_sd3-tiny.json"), sd3):
         grid = tmp_path / "grid.png"
-        run(["eval/eval_sample.py", "--weights", weights, "--prompt", "a red circle", "--steps", "2", "--out",
-             str(grid), "--out_dir", str(out)])
+        run_here(eval_sample, ["--weights", weights, "--prompt", "a red circle", "--steps", "2", "--out", str(grid),
+                               "--out_dir", str(out)], capsys)
         assert Image.open(grid).size[0] > 0
         grid.unlink()
 
 
 @pytest.mark.slow
-def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diffusers(tmp_path, sd3):
+def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diffusers(tmp_path, sd3, capsys):
     from diffusers import StableDiffusion3Pipeline
 
     common = ["--base", sd3, "--from_weight", "base", "--data", "builtin", "--num_samples", "8", *FAST,
               *dirs(tmp_path)]
-    run(["trainer/train_full_sft.py", *common])
+    run_here(train_full_sft, common, capsys)
     out = tmp_path / "out"
     assert (out / "sft_sd3-tiny" / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
     # the cache of the same data and components is shared between stages
     # alpha != rank (8): the file folds the scale into B, and diffusers must apply the strength ours does
-    lora = run(["trainer/train_lora.py", *common, "--prior_data", "none", "--learning_rate", "0.05", "--lora_alpha",
-                "4"])
+    lora = run_here(train_lora, [*common, "--prior_data", "none", "--learning_rate", "0.05", "--lora_alpha", "4"],
+                    capsys)
     assert "reusing 8 samples" in lora.stdout
     lora_path = out / "lora" / "lora_demo_sd3-tiny.safetensors"
 
@@ -191,7 +188,7 @@ def test_a_cached_bucketed_run_on_sd3_components_stops_and_resumes_bitwise_exact
 
 
 @pytest.mark.slow
-def test_the_cache_is_built_by_every_process_under_torchrun(tmp_path, sd3):
+def test_the_cache_is_built_by_every_process_under_torchrun(tmp_path, sd3, capsys):
     """Shard k is encoded by rank k mod 2; the index commits both, and a single process then reuses them."""
     args = ["trainer/train_pretrain.py", "--base", sd3, "--preset", "sd3-tiny", "--num_samples", "300", "--cache_only",
             *dirs(tmp_path)]
@@ -199,7 +196,7 @@ def test_the_cache_is_built_by_every_process_under_torchrun(tmp_path, sd3):
     assert "encoding 300 samples into 2 shards" in built.stdout
     index = json.loads(next((tmp_path / "cache").glob("*/index.json")).read_text())
     assert [shard["count"] for shard in index["shards"]] == [256, 44]
-    assert "reusing 300 samples in 2 shards" in run(args).stdout
+    assert "reusing 300 samples in 2 shards" in run_here(train_pretrain, args[1:], capsys).stdout
 
 
 def test_a_preset_sets_the_size_and_the_components_set_the_widths(tmp_path, sd3, monkeypatch):
@@ -224,21 +221,20 @@ def test_a_preset_sets_the_size_and_the_components_set_the_widths(tmp_path, sd3,
 
 
 @pytest.mark.slow
-def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_path, sd3, photos):
+def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_path, sd3, photos, capsys):
     folder = tmp_path / "data" / "3_photos"  # seen three times an epoch
     shutil.copytree(photos, folder)
     Image.fromarray(np.full((40, 40), 255, np.uint8)).save(folder / "p3.mask.png")
-    args = ["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--data", str(tmp_path / "data"),
-            "--caption_prefix", "sks, ", "--random_flip", "0.5", "--val_fraction", "0.2", "--val_interval", "1",
-            *FAST, *dirs(tmp_path)]
-    first = run(args)
+    args = ["--base", sd3, "--from_weight", "base", "--data", str(tmp_path / "data"), "--caption_prefix", "sks, ",
+            "--random_flip", "0.5", "--val_fraction", "0.2", "--val_interval", "1", *FAST, *dirs(tmp_path)]
+    first = run_here(train_lora, args, capsys)
     # 4 images train (one held out), 3 times an epoch; each is cached as it is and mirrored, with the mask's latents
     assert "an epoch shows 12 samples drawn from 8 variants" in first.stdout
     assert "validation: 1 images of --data every 1 steps" in first.stdout
-    second = run(args)
+    second = run_here(train_lora, args, capsys)
     assert "reusing 8 samples" in second.stdout
-    third = run(args[:args.index("--caption_prefix")] + args[args.index("--caption_prefix") + 2:] +
-                ["--out_dir", str(tmp_path / "out3"), "--save_dir", str(tmp_path / "ckpt3")])
+    third = run_here(train_lora, args[:args.index("--caption_prefix")] + args[args.index("--caption_prefix") + 2:] +
+                     ["--out_dir", str(tmp_path / "out3"), "--save_dir", str(tmp_path / "ckpt3")], capsys)
     assert "is stale (changed: captions" in third.stdout  # no trigger word: other text features, encoded again
     with open(tmp_path / "out" / "lora_demo_sd3-tiny_metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]

@@ -14,7 +14,7 @@ import model.file_io as file_io
 import trainer.train_full_sft as train_full_sft
 from model.checkpoint import SaveError, load_safetensors, read_manifest, remove_leftovers, save_checkpoint
 
-from tests.conftest import QUIET, pretrain_weights, run_stage
+from tests.conftest import QUIET, run_stage
 
 
 def weights(n=5):
@@ -112,8 +112,8 @@ def test_a_save_the_disk_cannot_take_is_one_line_naming_what_to_resume(tmp_path,
     assert read_manifest(stem, "resume")["step"] == 1 and files_in(tmp_path) == ["run.json", "run.step00000001.pt"]
 
 
-def test_a_run_whose_disk_fills_ends_in_one_line_and_resumes_from_its_last_save(tmp_path, monkeypatch):
-    base = pretrain_weights(tmp_path / "base")
+def test_a_run_whose_disk_fills_ends_in_one_line_and_resumes_from_its_last_save(tmp_path, monkeypatch, pretrained):
+    base = pretrained
     argv = ["--from_weight", base, "--num_samples", "16", "--batch_size", "2", "--max_steps", "4", "--save_interval",
             "2", "--sample_interval", "0", *QUIET, "--out_dir", str(tmp_path / "out"), "--save_dir",
             str(tmp_path / "ckpt")]

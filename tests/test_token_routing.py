@@ -15,15 +15,14 @@ from model.model_lora import apply_lora, resolve_targets
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.token_routing import TokenRoute, TokenRouting
 from trainer.flow_matching import FlowRecipe, flow_matching_loss
-from tests.conftest import CONFIGS, QUIET, final_state, inputs, lora_export, pretrain_weights, randomise, run_stage, \
-    sft_export
+from tests.conftest import CONFIGS, QUIET, final_state, inputs, lora_export, randomise, run_stage, sft_export
 from tests.scripts import run
 from tests.test_model_sd3light import _math_attention
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return pretrain_weights(tmp_path_factory.mktemp("base"))
+def base(pretrained):
+    return pretrained
 
 
 # ---- the model

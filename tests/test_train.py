@@ -20,7 +20,9 @@ from trainer.flow_matching import FlowRecipe, flow_matching_loss
 from trainer.ema import EMA
 from trainer.trainer_utils import lr_at
 
-from tests.scripts import run, run_in_process
+import eval.eval_loss as eval_loss
+import eval.eval_sample as eval_sample
+from tests.scripts import run, run_here, run_in_process
 from tests.conftest import metric_steps
 
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
@@ -28,7 +30,7 @@ SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", 
 
 
 @pytest.mark.slow
-def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
+def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     common = ["trainer/train_pretrain.py", *SMALL_RUN, "--out_dir", out, "--save_dir", ckpt]
     run(common + ["--max_steps", "4", "--ema_decay", "0.9"], torchrun=2)
@@ -53,22 +55,22 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["pretrain_tiny_resume.json", "pretrain_tiny_resume.step00000006.pt"]
 
     grid = tmp_path / "grid.png"
-    sampled = run(["eval/eval_sample.py", "--weights", os.path.join(out, "pretrain_tiny"), "--prompt",
-                   "a large red circle in the center", "--prompt", "two green stars", "--seeds", "2", "--steps", "3",
-                   "--out", str(grid)])
+    sampled = run_here(eval_sample, ["--weights", os.path.join(out, "pretrain_tiny"), "--prompt",
+                                     "a large red circle in the center", "--prompt", "two green stars", "--seeds", "2",
+                                     "--steps", "3", "--out", str(grid)], capsys)
     assert "4 images" in sampled.stdout and "from step 6" in sampled.stdout
     image = Image.open(grid)
     assert image.width >= 4 * 64 and image.mode == "RGB"
 
     report = tmp_path / "loss.json"
-    evaluated = run(["eval/eval_loss.py", "--weights", os.path.join(out, "pretrain_tiny"), "--num_samples", "8",
-                     "--json", str(report)])
+    evaluated = run_here(eval_loss, ["--weights", os.path.join(out, "pretrain_tiny"), "--num_samples", "8", "--json",
+                                     str(report)], capsys)
     assert evaluated.stdout.strip().splitlines()[-1].startswith("mean held-out loss: ")
     losses = json.load(open(report))["losses"]
     assert len(losses) == 9 and all(0 < v < 10 for v in losses.values())
 
     # a fresh run (no --from_resume) into the same folders starts its own metrics file
-    run(common + ["--max_steps", "2"])
+    run_here(train_pretrain, common[1:] + ["--max_steps", "2"], capsys)
     assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2]
 
 
@@ -78,7 +80,7 @@ def write_png(path, image):
 
 
 @pytest.mark.slow
-def test_folder_dataset_with_bad_files_trains_and_reports_them(tmp_path):
+def test_folder_dataset_with_bad_files_trains_and_reports_them(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     for i in range(6):
@@ -90,10 +92,10 @@ def test_folder_dataset_with_bad_files_trains_and_reports_them(tmp_path):
     write_png(data / "sixteen.png", Image.new("I;16", (32, 32), 30000))
     (data / "zero.png").write_bytes(b"")
     (data / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(200))
-    out = run(["trainer/train_pretrain.py", "--data", str(data), "--batch_size", "3", "--accumulation_steps", "2",
-               "--max_steps", "3",  # 9 images, 6 per step: every step starts a new epoch
-               "--sample_interval", "0", "--sample_steps", "1", "--out_dir", str(tmp_path / "out"),
-               "--save_dir", str(tmp_path / "ckpt")])
+    out = run_here(train_pretrain, ["--data", str(data), "--batch_size", "3", "--accumulation_steps", "2",
+                                    "--max_steps", "3",  # 9 images, 6 per step: every step starts a new epoch
+                                    "--sample_interval", "0", "--sample_steps", "1", "--out_dir",
+                                    str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt")], capsys)
     text = out.stdout + out.stderr
     assert "9 images" in text and "2 skipped" in text and "zero.png" in text and "corrupt.png" in text
     assert "warning: 1 caption(s) have more than 22 words" in text  # good0's 25, counted
