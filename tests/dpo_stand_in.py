@@ -1,7 +1,8 @@
 """trainer/train_dpo.py with a stand-in verifier that prefers the brighter image, for tests: the tiny models they
 train for a step or two draw no shapes yet, so the shape scorer would find every image alike and give no pairs.
 
-    python tests/dpo_stand_in.py <train_dpo.py's arguments>      (or under torchrun)
+    python tests/dpo_stand_in.py <train_dpo.py's arguments>      (or under torchrun; main(argv) for
+                                                                 tests/stage_runs.py)
 """
 import os
 import sys
@@ -19,6 +20,10 @@ def brightness_scores(spec, images):
     return np.array([image.mean() / 255 for image in images]), np.zeros(len(images), dtype=bool)
 
 
-if __name__ == "__main__":
+def main(argv=None):
     preference.score_images = brightness_scores
-    run_main(train_dpo.main)
+    return train_dpo.main(argv)
+
+
+if __name__ == "__main__":
+    run_main(main)

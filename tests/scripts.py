@@ -1,8 +1,10 @@
 """Running the project's real scripts from tests: one thread per process, from the repo root; or a stage script's
 main() in the test's own process, with its data replaced or watched and its log collected."""
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import dataset.training_data
 from trainer.metrics import MetricsLog
@@ -28,6 +30,16 @@ def run(args, torchrun=0, check=True):
         raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
                              f"{result.stderr[-3000:]}")
     return result
+
+
+def run_many(stage, runs, torchrun=2):
+    """Run stage module `stage`'s main() (e.g. "trainer.train_pretrain") once per argument list of `runs`, one
+    after the other in the same `torchrun` processes (tests/stage_runs.py): one launch, not one a run."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "runs.json")
+        with open(path, "w") as f:
+            json.dump([list(argv) for argv in runs], f)
+        return run(["tests/stage_runs.py", stage, path], torchrun=torchrun)
 
 
 def run_here(module, argv, capsys):

@@ -20,7 +20,7 @@ from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_si
 
 import eval.eval_sample as eval_sample
 import trainer.train_lora as train_lora
-from tests.scripts import run, run_here
+from tests.scripts import run, run_here, run_many
 from tests.conftest import run_stage
 from tests.conftest import dirs
 
@@ -196,13 +196,12 @@ def test_a_lora_file_as_teacher_is_a_one_line_error(tmp_path, teacher, capsys):
 
 
 def test_two_processes_shard_like_ddp(tmp_path, teacher):
+    modes = ("ddp", "fsdp")
+    run_many("trainer.train_distill", [argv(tmp_path / mode, teacher, "--max_steps", "4", "--save_dtype", "fp32",
+                                            "--fsdp", str(int(mode == "fsdp"))) for mode in modes])
     exports = {}
-    for mode in ("ddp", "fsdp"):
-        run_dir = tmp_path / mode
-        run(["trainer/train_distill.py", *argv(run_dir, teacher, "--max_steps", "4",
-                                               "--save_dtype", "fp32", "--fsdp", str(int(mode == "fsdp")))],
-            torchrun=2)
-        stem = str(run_dir / "out" / "distill_tiny")
+    for mode in modes:
+        stem = str(tmp_path / mode / "out" / "distill_tiny")
         exports[mode] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
     for key, value in exports["ddp"].items():
         assert torch.allclose(value, exports["fsdp"][key], atol=1e-5), key

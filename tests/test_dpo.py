@@ -24,7 +24,7 @@ from trainer import preference
 from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
 
 from tests.dpo_stand_in import brightness_scores
-from tests.scripts import run, run_here, run_in_process
+from tests.scripts import run, run_here, run_in_process, run_many
 from tests.conftest import dirs
 
 FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
@@ -284,10 +284,11 @@ def test_two_processes_draw_the_same_pairs_and_shard_like_ddp(tmp_path, start):
     """--dpo_beta 1: the loss in its smooth range, where the two modes' rounding stays rounding (at the default
     1000, its steep sigmoid and AdamW turned DDP's and FSDP's last-bit differences into 1.3e-5 of weight after
     three steps on an AVX2 CPU)."""
+    modes = ("ddp", "fsdp")
+    run_many("tests.dpo_stand_in", [argv(tmp_path / mode, start, "--max_steps", "3", "--save_dtype", "fp32",
+                                         "--dpo_beta", "1", "--fsdp", str(int(mode == "fsdp"))) for mode in modes])
     exports = {}
-    for mode in ("ddp", "fsdp"):
-        run(["tests/dpo_stand_in.py", *argv(tmp_path / mode, start, "--max_steps", "3", "--save_dtype", "fp32",
-                                            "--dpo_beta", "1", "--fsdp", str(int(mode == "fsdp")))], torchrun=2)
+    for mode in modes:
         resume_stem = str(tmp_path / mode / "ckpt" / "dpo_tiny_resume")
         state = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
         assert state["world_size"] == 2 and state["step"] == 3 and state["pairs"]["round"] == 1

@@ -29,7 +29,7 @@ from trainer.sharded_checkpoint import (
 )
 from trainer.trainer_utils import leaves, map_leaves
 
-from tests.scripts import run, run_in_process
+from tests.scripts import run, run_in_process, run_many
 from tests.conftest import children, launch, uncommitted, wait_for_step
 from tests.conftest import lora_export, sft_export
 
@@ -41,11 +41,25 @@ RECIPE = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--warmup_steps", 
 MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1": (0, ["--fsdp", "1"]),
          "ddp2": (2, []), "single": (0, []), "hsdp2": (2, ["--fsdp", "1", "--fsdp_shard_size", "1"]),
          "fsdp2_8bit": (2, ["--fsdp", "1", "--optimizer", "adamw8bit"]), "ddp2_8bit": (2, ["--optimizer", "adamw8bit"]),
-         "single_8bit": (0, ["--optimizer", "adamw8bit"])}
+         "single_8bit": (0, ["--optimizer", "adamw8bit"]),
+         "fsdp2_compiled": (2, ["--compile", "1", "--fsdp", "1", "--gradient_checkpointing", "1"])}
+# The legs the tests read, (mode, steps) or (mode, steps, (mode, steps) of the leg it resumes a copy of), run once
+# for the whole test run in two batches: fp32 AdamW, and 8-bit AdamW (with an fp32 FSDP leg of its own to compare
+# shard sizes with, so that neither batch waits for the other)
+BATCHES = {
+    "fp32": [("fsdp2", 3), ("ddp2", 3), ("fsdp2", 6), ("hsdp2", 3), ("fsdp2_compiled", 2), ("fsdp1", 3), ("single", 3),
+             ("fsdp2", 6, ("fsdp2", 3)), ("fsdp1", 6, ("fsdp2", 3)), ("single", 6, ("fsdp2", 3)),
+             ("single", 6, ("ddp2", 3)), ("fsdp2", 6, ("fsdp1", 3)), ("ddp2", 6, ("single", 3)),
+             ("fsdp2", 6, ("ddp2", 3))],
+    "8bit": [("fsdp2_8bit", 3), ("fsdp2_8bit", 6), ("ddp2_8bit", 3), ("fsdp2", 3), ("single_8bit", 3),
+             ("fsdp2_8bit", 6, ("fsdp2_8bit", 3)), ("fsdp2_8bit", 6, ("single_8bit", 3)),
+             ("ddp2_8bit", 6, ("single_8bit", 3)), ("single_8bit", 6, ("fsdp2_8bit", 3)),
+             ("single_8bit", 6, ("ddp2_8bit", 3))],
+}
 
 
-# Under pytest-xdist the tests that read the same legs run on one worker (they would wait there for each other's
-# legs anyway): those of fp32 AdamW on one, those of 8-bit AdamW on another
+# Under pytest-xdist the tests that read the same batch run on one worker (they would wait there for the batch
+# anyway): those of fp32 AdamW on one, those of 8-bit AdamW on another
 ON_LEGS, ON_8BIT_LEGS = pytest.mark.xdist_group("fsdp_legs"), pytest.mark.xdist_group("fsdp_8bit_legs")
 
 
@@ -55,27 +69,42 @@ def folders(path):
 
 @pytest.fixture(scope="session")
 def legs(shared):
-    """legs(mode, steps, after=None) -> the folder of a run of RECIPE in `mode` to `steps` steps; with `after`
-    (mode, steps), a copy of that leg's folder resumed. Each leg runs once for the whole test run."""
-    def leg(mode, steps, after=None):
-        name = f"{after[0]}_{after[1]}-{mode}_{steps}" if after else f"{mode}_{steps}"
-        return shared(f"leg-{name}", lambda folder: run_leg(folder, mode, steps, leg(*after) if after else None))
+    """legs(mode, steps, after=None, batch=None) -> the folder of a run of RECIPE in `mode` to `steps` steps; with
+    `after` (mode, steps), of a copy of that leg's folder resumed. The leg's batch (by default the 8-bit one for an
+    8-bit mode) runs once for the whole test run."""
+    def leg(mode, steps, after=None, batch=None):
+        batch = batch or ("8bit" if "8bit" in mode else "fp32")
+        folder = shared(f"legs-{batch}", functools.partial(run_batch, BATCHES[batch])) / leg_name(mode, steps, after)
+        assert folder.is_dir(), f"no leg {folder.name} in batch {batch} (tests/test_fsdp.py's BATCHES)"
+        return folder
 
     return leg
 
 
-def run_leg(folder, mode, steps, resumed=None):
-    """Run RECIPE in `mode` to `steps` steps in `folder`; or resume there a copy of the run folder `resumed`. A
-    mode of one process runs in this one (run_main tears its process group down, as at a script's end)."""
-    torchrun, extra = MODES[mode]
-    if resumed:
-        shutil.copytree(resumed, folder, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".built"))
-        extra = extra + ["--from_resume", "1"]
-    args = RECIPE + ["--max_steps", str(steps)] + extra + folders(folder)
-    if torchrun:
-        run(args, torchrun=torchrun)
-    else:
-        run_main(functools.partial(train_pretrain.main, args[1:]))
+def leg_name(mode, steps, after=None):
+    return f"{after[0]}_{after[1]}-{mode}_{steps}" if after else f"{mode}_{steps}"
+
+
+def run_batch(batch, root):
+    """Run the legs of `batch` into folders of `root`: first those from scratch, then the resumed copies. The legs
+    of two processes of each phase run in one torchrun launch, those of one process in this one (run_main tears its
+    process group down, as at a script's end)."""
+    for resumed in (False, True):
+        launched = []
+        for mode, steps, *after in batch:
+            if bool(after) != resumed:
+                continue
+            folder = root / leg_name(mode, steps, *after)
+            if after:
+                shutil.copytree(root / leg_name(*after[0]), folder)
+            args = RECIPE[1:] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
+            args += ["--from_resume", "1"] if after else []
+            if MODES[mode][0]:
+                launched.append(args)
+            else:
+                run_main(functools.partial(train_pretrain.main, args))
+        if launched:
+            run_many("trainer.train_pretrain", launched, torchrun=2)
 
 
 def whole_resume_state(folder, name="pretrain_tiny"):
@@ -192,7 +221,7 @@ def test_8bit_adamw_under_fsdp_saves_verified_resumes_bitwise_and_finishes(legs)
     whole, resumed = legs("fsdp2_8bit", 6), legs("fsdp2_8bit", 6, after=("fsdp2_8bit", 3))
     assert_resumed_bitwise(whole, resumed)
     # the moments are stored 8-bit: the shards are smaller than fp32 AdamW's (16 -> 10 bytes a parameter)
-    assert shard_bytes(legs("fsdp2_8bit", 3)) < 0.7 * shard_bytes(legs("fsdp2", 3))
+    assert shard_bytes(legs("fsdp2_8bit", 3)) < 0.7 * shard_bytes(legs("fsdp2", 3, batch="8bit"))
 
 
 @ON_8BIT_LEGS
@@ -268,9 +297,8 @@ def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs
 
 @ON_LEGS
 @pytest.mark.slow
-def test_compiled_blocks_train_under_fsdp(tmp_path, legs):
-    run(RECIPE + ["--max_steps", "2", "--compile", "1"] + MODES["fsdp2"][1] + folders(tmp_path), torchrun=2)
-    compiled, eager = metrics(tmp_path), metrics(legs("ddp2", 3))
+def test_compiled_blocks_train_under_fsdp(legs):
+    compiled, eager = metrics(legs("fsdp2_compiled", 2)), metrics(legs("ddp2", 3))
     assert compiled[0]["loss"] == pytest.approx(eager[0]["loss"], abs=1e-5)  # the same weights, the same loss
     assert [r["sample_ids"] for r in compiled] == [r["sample_ids"] for r in eager[:2]]
 
@@ -285,10 +313,8 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     args = [script, "--from_weight", str(base / "pretrain_tiny.json"), "--num_samples", "12", *data, "--batch_size",
             "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps", "1",
             "--save_dtype", "fp32"]
-    runs = {}
-    for mode in ("fsdp2", "ddp2"):
-        runs[mode] = tmp_path_factory.mktemp(mode)
-        run(args + MODES[mode][1] + folders(runs[mode]), torchrun=2)
+    runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
+    run_many(f"trainer.{Path(script).stem}", [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs])
     sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
     assert sharded.keys() == reference.keys()
     for key, value in sharded.items():
@@ -488,8 +514,7 @@ def test_own_data_with_validation_shards_like_ddp(tmp_path):
                                       "--val_fraction", "0.25", "--val_interval", "1", "--max_steps", "3",
                                       "--export_single_file"]
     runs = {mode: tmp_path / mode for mode in ("fsdp2", "ddp2")}
-    for mode, folder in runs.items():
-        run(args + MODES[mode][1] + folders(folder), torchrun=2)
+    run_many("trainer.train_pretrain", [args[1:] + MODES[mode][1] + folders(folder) for mode, folder in runs.items()])
     sharded, reference = metrics(runs["fsdp2"]), metrics(runs["ddp2"])
     assert [r["sample_ids"] for r in sharded] == [r["sample_ids"] for r in reference]
     assert [r["val_loss"] for r in sharded] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
