@@ -166,7 +166,7 @@ def training_flops_per_sample(config, height, width, text_len):
 
 
 @functools.cache
-def measured_peak(device, dtype, threads, repeats=5, budget=1.0):
+def measured_peak(device, dtype, threads, repeats=3, budget=1.0):
     """FLOP/s of the best of `repeats` square matrix products in `dtype` on `threads` CPU threads: a CPU's (or an
     unlisted GPU's) peak, measured once per process. The side doubles from 512 up to 2048 (4096 on a GPU) while a
     product of the next size would take under `budget` seconds, and the products stop once `budget` is spent:

@@ -33,7 +33,7 @@ from model.model_sd3light import SD3Light, SD3LightConfig
 
 from tests.scripts import ENV, REPO, command, run_in_process
 
-RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_stage|run_in_process|launch|pretrain_weights|main)\(")
+RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_many|run_stage|run_in_process|launch|pretrain_weights|main)\(")
 
 
 def pytest_configure(config):
@@ -50,6 +50,10 @@ def pytest_collection_modifyitems(config, items):
                                        for fixture in item._fixtureinfo.name2fixturedefs.get(name, ())]
         if any(RUNS_A_STAGE.search(_source(function)) for function in functions):
             item.add_marker(pytest.mark.slow)
+    # the longest first, so that under pytest-xdist no worker is left with a long test at the end: the tests that
+    # share a batch of runs (xdist_group), then the other slow ones, then the quick ones (a stable sort)
+    items.sort(key=lambda item: 0 if item.get_closest_marker("xdist_group") else 1 if item.get_closest_marker("slow")
+               else 2)
 
 
 def _source(function):

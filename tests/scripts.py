@@ -42,12 +42,20 @@ def run_many(stage, runs, torchrun=2):
         return run(["tests/stage_runs.py", stage, path], torchrun=torchrun)
 
 
-def run_here(module, argv, capsys):
+def run_here(module, argv, capsys, threads=None):
     """Run script `module`'s main(argv) in this process, where a test needs no process of its own (no signal,
     kill, torchrun or exit code to see): what `run` returns, from what it printed, without the seconds of imports
-    a fresh process pays. An exception fails the test, as a failed run does."""
+    a fresh process pays. An exception fails the test, as a failed run does. `threads=1`: on one thread, as the
+    processes `run` starts compute, where the run must match theirs bit for bit."""
+    import torch
+
     capsys.readouterr()  # what was printed before is not the script's
-    module.main(list(argv))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        module.main(list(argv))
+    finally:
+        torch.set_num_threads(before)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(argv, 0, out, err)
 

@@ -392,11 +392,14 @@ def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once(defau
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_equal(tmp_path):
+def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_equal(tmp_path, capsys):
+    """The killed runs are processes of their own; the reference run and the last resume, which nothing kills, run
+    here on one thread, as the killed ones do."""
     run_args = [SCRIPT, "--num_samples", "24", "--batch_size", "2", "--accumulation_steps", "2", "--max_steps", "12",
                 "--ema_decay", "0.9", *QUIET]
     ref, cut = tmp_path / "ref", tmp_path / "cut"
-    run(run_args + ["--save_interval", "1000", "--out_dir", str(ref / "out"), "--save_dir", str(ref / "ckpt")])
+    run_here(train_pretrain, run_args[1:] + ["--save_interval", "1000", "--out_dir", str(ref / "out"), "--save_dir",
+                                             str(ref / "ckpt")], capsys, threads=1)
     dirs = ["--out_dir", str(cut / "out"), "--save_dir", str(cut / "ckpt"), "--save_interval", "1"]
     metrics = str(cut / "out" / "pretrain_tiny_metrics.jsonl")
     rng, kills, mid_save, committed = random.Random(0), 0, 0, 0
@@ -426,7 +429,7 @@ def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_e
             load_weights(weights_at)
         assert resume["step"] >= committed
         committed = resume["step"]
-    finished = run(run_args + dirs + ["--from_resume", "1"])
+    finished = run_here(train_pretrain, run_args[1:] + dirs + ["--from_resume", "1"], capsys, threads=1)
     assert "done:" in finished.stdout + finished.stderr
     print(f"{kills} kills, {mid_save} of them inside a save")
     assert kills >= 6 and mid_save >= 1
