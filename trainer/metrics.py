@@ -4,6 +4,7 @@ and MFU of its steps (Throughput).
 """
 import json
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +16,7 @@ from model.flops import FlopCount, peak_flops
 from model.token_routing import TokenRouting
 
 
+PLOT_EVERY = 60  # seconds at least between two drawings of the curves, but for the one at the run's last save
 FORMATS = {"lr": "{:.2e}", "tflop_s": "{:.3g}", "mfu": "{:.1%}"}  # how the progress bar shows a value
 
 
@@ -70,6 +72,7 @@ class MetricsLog:
         self.info, self.stage, self.name, self.out_dir, self.wandb = info, stage, name, out_dir, wandb
         self.path = os.path.join(out_dir, f"{name}_metrics.jsonl")
         self.bar = self.bar_span = self.wandb_run = self.wandb_id = self.last_val = None
+        self.plotted = time.monotonic()
 
     def log(self, msg):
         """Print on rank 0 only (through the progress bar while it shows, so lines do not break it)."""
@@ -139,11 +142,14 @@ class MetricsLog:
             first, total = self.bar_span
             self.bar = tqdm(total=total, initial=first, desc=self.stage, dynamic_ncols=True)
 
-    def plot(self, step):
-        """The run's curves so far (eval/plot_metrics.py) beside its sample grids; a failure is a warning, never
-        the end of training."""
-        if not self.info.is_main:
+    def plot(self, step, last):
+        """The run's curves so far (eval/plot_metrics.py) beside its sample grids, at a save: at the run's `last`
+        (finished or stopping), and at the others once PLOT_EVERY seconds have passed since the run began or last
+        drew them (a drawing costs 0.5-1 s of CPU: a run that saved every few seconds spent a third of its time
+        drawing). A failure is a warning, never the end of training."""
+        if not self.info.is_main or not last and time.monotonic() - self.plotted < PLOT_EVERY:
             return
+        self.plotted = time.monotonic()
         path = os.path.join(self.out_dir, "samples", f"{self.name}_metrics.png")
         try:
             plot_runs([self.path], path, title=f"{self.name} (step {step})")

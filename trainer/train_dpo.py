@@ -318,7 +318,7 @@ def train(args, info, position, data, learner, out, rounds):
                 written += write_export(out.export, (ema or trained).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - saving:.1f} s")
-                metrics.plot(position.step)
+                metrics.plot(position.step, last=position.finished or stopping)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
                 path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
