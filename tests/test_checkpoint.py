@@ -21,14 +21,14 @@ from model.checkpoint import (
 )
 from model.components import BuiltinComponents
 from model.errors import UserError
-from model.model_sd3light import PRESETS, SD3Light, StateDictMismatchError, preset_config
+from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
 from trainer.parallel import NamedOptimizerState
 from trainer.resume import RunSpec, check_resume
 from trainer.trainer_utils import StopSignal, lr_at
 
 from tests.scripts import REPO, run, run_here, run_in_process
-from tests.conftest import metric_steps
+from tests.conftest import metric_steps, narrow_tiny
 from tests.conftest import children, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -317,10 +317,8 @@ def final_state(tmp_path):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: two optimizers, both states in the checkpoint
 def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path, monkeypatch, optimizer):
-    if optimizer == "muon":  # its orthogonalisation computes in bf16, which a CPU without AVX-512 BF16 emulates (14 s
-        # a step of the tiny model): one narrow block still has matrices for Muon and the rest for AdamW
-        monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "num_layers": 1, "num_attention_heads": 2,
-                                                       "caption_projection_dim": 64})
+    if optimizer == "muon":  # its orthogonalisation computes in bf16: one narrow block still has matrices for Muon
+        narrow_tiny(monkeypatch)  # and the rest for AdamW
     data, recipe = ShapesDataset("train", 24, 32), ["--optimizer", optimizer]  # 6 steps of 4 an epoch: the run
     step, _ = train_in_process(tmp_path / "whole", SignalAtFetch(data), monkeypatch, recipe=recipe)  # crosses one
     assert step == 9

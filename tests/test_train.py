@@ -23,7 +23,7 @@ from trainer.trainer_utils import lr_at
 import eval.eval_loss as eval_loss
 import eval.eval_sample as eval_sample
 from tests.scripts import run, run_here, run_in_process
-from tests.conftest import metric_steps
+from tests.conftest import metric_steps, narrow_tiny
 
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
              "--sample_interval", "0", "--sample_steps", "2"]
@@ -383,6 +383,7 @@ def test_a_resumed_fast_run_keeps_the_precision_it_began_with(tmp_path, monkeypa
                 "--save_dir", str(tmp_path / name / "ckpt"), "--from_resume", resume]
         if steps < 4:  # stopped after `steps`, as a stop signal would
             monkeypatch.setattr(train_pretrain.Position, "finished", property(lambda run: run.step >= steps))
+        narrow_tiny(monkeypatch)  # its steps compute in bf16
         result = run_in_process(train_pretrain, argv, monkeypatch)
         monkeypatch.undo()
         with open(tmp_path / name / "out" / "pretrain_tiny_metrics.jsonl") as f:
