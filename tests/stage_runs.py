@@ -1,8 +1,9 @@
 """Several runs of a stage script in the same processes, for tests: its main() once per argument list of a JSON
 file, one after the other, each with a process group of its own (main sets it up, run_main tears it down) that
 meets at a store of its own: process groups made again at torchrun's store find the keys of the earlier ones under
-the same names (a hybrid-sharded run after others hung). A test that needs several runs of two processes launches torchrun once for all, not once a run: a launch costs two
-processes' start-up (imports, the built-in text encoder, kernels compiled), some 10 s of CPU each.
+the same names (a hybrid-sharded run after others hung). A test that needs several runs of two processes
+launches torchrun once for all, not once a run: a launch costs two processes' start-up (imports, the built-in
+text encoder, kernels compiled), some 10 s of CPU each.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/stage_runs.py trainer.train_pretrain runs.json
 """
