@@ -103,7 +103,8 @@ def processes(path):
 
 
 def suite(pytest_args):
-    """The README's test command with --durations=0 (and the arguments given), its output kept in a log."""
+    """The README's test command with --durations=0 (and the arguments given), its output kept in a log for
+    `tables`."""
     with tempfile.TemporaryDirectory() as folder:
         with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
             f.write(PROCESS_LOG)
@@ -113,7 +114,11 @@ def suite(pytest_args):
                    *pytest_args]
         started = time.perf_counter()
         result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        print(f"{' '.join(command[1:])}: exit {result.returncode}, {time.perf_counter() - started:.0f} s wall\n")
+        log = os.path.join(tempfile.gettempdir(), "bench_suite.log")  # for `tables` later
+        with open(log, "w") as f:
+            f.write(result.stdout + result.stderr)
+        print(f"{' '.join(command[1:])}: exit {result.returncode}, {time.perf_counter() - started:.0f} s wall; "
+              f"its output in {log}\n")
         print(result.stdout.splitlines()[-1] if result.stdout else result.stderr[-2000:])
         tables(result.stdout.splitlines())
         if os.path.exists(env["BENCH_SUITE_PROCESSES"]):

@@ -85,8 +85,7 @@ def plot_runs(paths, out, title=None, labels=None):
     if not panels:
         raise UserError(f"nothing to plot yet in {', '.join(paths)}: no step has been logged")
     rows = math.ceil(len(panels) / 2)
-    # fixed margins, in inches: matplotlib's constrained layout would double the time of a drawing (0.5 -> 1 s),
-    # which a run pays at every save
+    # fixed margins, in inches: matplotlib's constrained layout would double the time of a drawing (0.5 -> 1 s)
     height = 3.4 * rows
     figure = Figure(figsize=(12, height), dpi=100)
     figure.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.75 / height, wspace=0.18,

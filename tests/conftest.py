@@ -9,11 +9,12 @@ The suite runs on every core (pytest-xdist, `-n auto` in the README's test comma
 none changes (the briefly pretrained weights, the tiny SD3 folder, test_fsdp.py's runs) is made once for the whole
 run, by the first worker that needs it (`shared`)."""
 import fcntl
+import functools
 import inspect
 import json
 import os
-import shutil
 import random
+import shutil
 import re
 import signal
 import subprocess
@@ -95,13 +96,13 @@ def shared(tmp_path_factory):
 @pytest.fixture(scope="session")
 def pretrained(shared):
     """The weights of pretrain_weights (x-prediction, 2 steps) -> their .json, made once for the whole run."""
-    return str(shared("pretrained", lambda folder: pretrain_weights(folder)) / "pretrain_tiny.json")
+    return str(shared("pretrained", pretrain_weights) / "pretrain_tiny.json")
 
 
 @pytest.fixture(scope="session")
 def pretrained_v(shared):
     """The same, v-prediction (with a diffusers transformer folder beside them) -> their .json."""
-    return str(shared("pretrained_v", lambda folder: pretrain_weights(folder, prediction="v")) / "pretrain_tiny.json")
+    return str(shared("pretrained_v", functools.partial(pretrain_weights, prediction="v")) / "pretrain_tiny.json")
 
 
 @pytest.fixture(scope="session")
@@ -147,10 +148,10 @@ QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
 
 
 def narrow_tiny(monkeypatch):
-    """The tiny preset cut to one block 64 wide, for this test: for the tests whose steps compute in bf16, which a
-    CPU without AVX-512 BF16 emulates some 50x slower than fp32 (14 s a step of the tiny model under Muon's bf16
-    orthogonalisation). What they check (a bitwise resume, both optimizers' states, the dtype a run computes in) is
-    the same on any size of model."""
+    """The tiny preset cut to one block 64 wide for the rest of the test: for tests whose steps compute in bf16,
+    which a CPU without AVX-512 BF16 emulates some 50x slower than fp32 (14 s a step of the tiny model under Muon's
+    bf16 orthogonalisation). What they check (a bitwise resume, both optimizers' states, the dtype a run computes
+    in) is the same on any size of model."""
     monkeypatch.setitem(PRESETS, "tiny", {**PRESETS["tiny"], "num_layers": 1, "num_attention_heads": 2,
                                           "caption_projection_dim": 64})
 

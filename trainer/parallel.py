@@ -169,7 +169,7 @@ class NamedOptimizerState:
         optimizer: 1.3 s a save of the tiny model, 8 s with an optimizer a parameter (--step_in_backward). Before
         any step (an optimizer without state) DCP's own call builds the state first, by a step with zero gradients
         and learning rate."""
-        optimizers = list(self.optimizer) if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
+        optimizers = self.optimizer if isinstance(self.optimizer, (list, tuple)) else [self.optimizer]
         if not all(optimizer.state for optimizer in optimizers):
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
