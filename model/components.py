@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.clip_text import CLIPText
 from model.errors import UserError
 from model.rectified_flow import to_device
 
@@ -80,24 +81,16 @@ class BuiltinTextEncoder(nn.Module):
 
     def __init__(self, vocab, width=128, layers=2, heads=4, max_length=24, hash_buckets=512, seed=0):
         super().__init__()
-        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
-
         self.tokenizer = WordTokenizer(vocab, max_length, hash_buckets)
-        config = CLIPTextConfig(
-            vocab_size=self.tokenizer.vocab_size, hidden_size=width, intermediate_size=4 * width,
-            num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=max_length,
-            projection_dim=width, pad_token_id=self.tokenizer.pad_id, bos_token_id=self.tokenizer.bos_id,
-            eos_token_id=self.tokenizer.eos_id,
-        )
         with torch.random.fork_rng(devices=[]):  # the same random encoder on every machine and rank
             torch.manual_seed(seed)
-            self.model = CLIPTextModelWithProjection(config).eval().requires_grad_(False)
+            self.model = CLIPText(self.tokenizer.vocab_size, width, layers, heads, max_length).eval()
+        self.model.requires_grad_(False)
 
     @torch.no_grad()
     def forward(self, captions):
         device = self.model.text_projection.weight.device
-        out = self.model(input_ids=to_device(self.tokenizer(captions), device))
-        return out.last_hidden_state, out.text_embeds
+        return self.model(to_device(self.tokenizer(captions), device), self.tokenizer.eos_id)
 
 
 class BuiltinComponents(nn.Module):

@@ -42,3 +42,30 @@ def test_components_rebuild_from_their_spec_and_saved_state():
     rebuilt.load_trained_state_dict(comp.trained_state_dict())
     caption = ["three pink diamonds"]
     assert torch.equal(comp.encode_prompts(caption)[0], rebuilt.encode_prompts(caption)[0])
+
+
+def test_the_text_encoder_is_transformers_clip_weight_for_weight_and_bit_for_bit():
+    """The built-in encoder's network is our own (model/clip_text.py): from the same seed it holds the weights that
+    transformers' CLIPTextModelWithProjection draws, under the same names, and computes its outputs bitwise, so that
+    the runs, checkpoints and caches made with transformers' class are this one's."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    for layers, seed in ((2, 0), (1, 3)):
+        ours = BuiltinComponents(GRAMMAR_WORDS, text_layers=layers, seed=seed).text_encoder
+        tok = ours.tokenizer
+        config = CLIPTextConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=512,
+                                num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=24,
+                                projection_dim=128, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
+                                eos_token_id=tok.eos_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            theirs = CLIPTextModelWithProjection(config).eval()
+        mine, reference = ours.model.state_dict(), theirs.state_dict()
+        assert mine.keys() == reference.keys()
+        assert all(torch.equal(mine[k], reference[k]) for k in mine), [k for k in mine
+                                                                       if not torch.equal(mine[k], reference[k])]
+        captions = ["a red star above a green circle", "a green circle", "", "word " * 40]
+        with torch.no_grad():
+            out = theirs(input_ids=tok(captions))
+        tokens, pooled = ours(captions)
+        assert torch.equal(tokens, out.last_hidden_state) and torch.equal(pooled, out.text_embeds)
