@@ -9,12 +9,20 @@ from model.errors import UserError
 from trainer.fused_step import StepInBackward
 from trainer.trainer_utils import adamw
 
-from tests.conftest import QUIET, final_state, run_stage, sft_export
+from tests.conftest import QUIET, final_state, narrow_tiny, pretrain_weights, run_stage, sft_export
+
+
+def narrow_pretrain_weights(out_dir):
+    with pytest.MonkeyPatch.context() as patch:
+        narrow_tiny(patch)
+        pretrain_weights(out_dir)
 
 
 @pytest.fixture(scope="module")
-def base(pretrained):
-    return pretrained
+def base(shared):
+    """pretrain_weights of the tiny model cut to one block 64 wide (narrow_tiny): these modes compute in bf16,
+    which a CPU without AVX-512 BF16 emulates some 50x slower; what they check is the same on any size of model."""
+    return str(shared("pretrained_narrow", narrow_pretrain_weights) / "pretrain_tiny.json")
 
 
 MODES = {
