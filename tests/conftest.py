@@ -34,7 +34,8 @@ from model.model_sd3light import PRESETS, SD3Light, SD3LightConfig
 
 from tests.scripts import ENV, REPO, command, run_in_process
 
-RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_many|run_stage|run_in_process|launch|pretrain_weights|main)\(")
+# a call that runs a stage or a script, or pretrain_weights handed to `shared` (which runs it once for all)
+RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_many|run_stage|run_in_process|launch|main)\(|pretrain_weights\b")
 
 
 def pytest_configure(config):
