@@ -346,3 +346,20 @@ def uncommitted(directory, stem_name):
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
+
+
+def family(pid):
+    """pid and every process below it."""
+    try:
+        return [pid] + [p for child in children(pid) for p in family(child)]
+    except FileNotFoundError:  # gone meanwhile
+        return [pid]
+
+
+def alive(pid):
+    """Running: not gone, and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

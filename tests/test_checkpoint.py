@@ -7,6 +7,7 @@ import random
 import re
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
@@ -25,11 +26,12 @@ from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
 from trainer.parallel import NamedOptimizerState
 from trainer.resume import RunSpec, check_resume
+from trainer import trainer_utils
 from trainer.trainer_utils import StopSignal, lr_at
 
-from tests.scripts import REPO, run, run_here, run_in_process
+from tests.scripts import REPO, run, run_here, run_in_process, run_many
 from tests.conftest import metric_steps, narrow_tiny
-from tests.conftest import children, launch, uncommitted, wait_for_step
+from tests.conftest import alive, children, family, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
 QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
@@ -385,8 +387,74 @@ def test_stop_signal_handler_sets_a_flag_and_a_second_ctrl_c_stops_at_once(defau
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_under_torchrun_the_agents_copy_of_a_ctrl_c_is_the_same_stop(default_signals, monkeypatch):
+    """torchrun passes the SIGINT it got on to its ranks, which a scheduler may have signalled too: a second SIGINT
+    that soon after the first stops nothing more; one later is a second Ctrl-C."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setattr(trainer_utils, "FORWARDED_SECONDS", 0.3)
+    with StopSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the agent's copy
+        time.sleep(0.05)
+        assert stop.received == signal.SIGINT
+        time.sleep(0.3)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+
+def test_data_loader_workers_ignore_stop_signals_but_their_parents(default_signals):
+    """A worker survives SIGTERM and SIGINT from anyone but its parent (a signal to the whole group: the main
+    process stops the run), and leaves quietly when its loader ends it (torch's own SIGTERM to a stuck worker)."""
+    loader = torch.utils.data.DataLoader(Numbers(), batch_size=2, num_workers=2,
+                                         worker_init_fn=trainer_utils.leave_stopping_to_the_main_process)
+    with StopSignal() as stop, trainer_utils.stop_signals_held():
+        batches = iter(loader)
+    workers = [w.pid for w in batches._workers]
+    assert next(batches).tolist() == [0, 1]
+    for signum in ("TERM", "INT"):  # sent by another process, as a group signal is
+        subprocess.run(["kill", f"-{signum}", *map(str, workers)], check=True)
+    time.sleep(0.3)
+    assert [next(batches).tolist() for _ in range(3)] == [[2, 3], [4, 5], [6, 7]]
+    assert stop.received is None and all(w.is_alive() for w in batches._workers)
+    os.kill(workers[0], signal.SIGTERM)  # from its parent
+    batches._workers[0].join(timeout=10)
+    assert batches._workers[0].exitcode == 0
+    batches._shutdown_workers()
+    assert not any(w.is_alive() for w in batches._workers)
+
+
+def test_a_stop_during_a_save_lets_the_save_finish(tmp_path, monkeypatch, default_signals):
+    """SIGTERM to the trainer and, from another process, to its 2 data loader workers, in the middle of a save (as
+    a signal to the whole group comes): the save finishes, the step in progress too, and the run saves it."""
+    real = checkpoint.write_torch
+
+    def signalled(path, state):  # in the middle of the resume file's save at step 3
+        workers = [str(pid) for pid in children(os.getpid())]
+        subprocess.run(["kill", "-TERM", *workers], check=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        monkeypatch.setattr(checkpoint, "write_torch", real)
+        return real(path, state)
+
+    monkeypatch.setattr(checkpoint, "write_torch", signalled)
+    step, messages = train_in_process(tmp_path, ShapesDataset("train", 24, 32), monkeypatch,
+                                      recipe=["--num_workers", "2"])
+    assert any(m.startswith("saved step 3:") for m in messages)  # that save finished: written and verified
+    assert step == 4 and "stopped by SIGTERM at step 4, checkpoint saved" in messages[-1]  # the step in progress
+    assert read_manifest(str(tmp_path / "ckpt" / "pretrain_tiny_resume"), "resume")["step"] == 4
+
+
 # ------------------------------------------------------------------------------------------------------------
-# Real processes: SIGKILL at random moments, world-size changes, two nodes
+# Real processes: SIGKILL at random moments, stops signalled to the whole group, world-size changes, two nodes
 
 
 @pytest.mark.slow
@@ -437,6 +505,60 @@ def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_e
     for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
         assert first_difference(whole[key], resumed[key], key) is None, key
     assert whole["logged"] == resumed["logged"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(tmp_path, capsys, processes):
+    """SIGTERM or SIGINT to a run's whole process group, as Ctrl-C, `timeout`, `kill -- -PGID` and schedulers
+    send it: its data loader workers (2 a process) get it too and leave stopping to the trainer, which finishes
+    the step, saves and exits 0 on every rank; no worker outlives it; the resumed run ends bitwise where the
+    uninterrupted one does. Under torchrun the agent gets the signal too and passes it on."""
+    run_args = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--max_steps", "10", "--save_interval", "1000",
+                "--ema_decay", "0.9", "--num_workers", "2", *QUIET]
+
+    def dirs(name):
+        return ["--out_dir", str(tmp_path / name / "out"), "--save_dir", str(tmp_path / name / "ckpt")]
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        log = tmp_path / f"{signum.name}.log"
+        torchrun = ["--standalone", "--log-dir", str(tmp_path / f"{signum.name}-ranks"), "--redirects", "3"]
+        proc = launch(run_args + dirs(signum.name), torchrun=processes if processes > 1 else 0, log_path=log,
+                      extra=torchrun if processes > 1 else ())
+        wait_for_step(proc, str(tmp_path / signum.name / "out" / "pretrain_tiny_metrics.jsonl"), 3)
+        started = family(proc.pid)
+        assert len(started) >= 3 * processes  # each trainer and its 2 workers (and torchrun)
+        for group in {os.getpgid(pid) for pid in started}:  # torchrun starts each rank in a group of its own
+            os.killpg(group, signum)
+        code = proc.wait(timeout=120)
+        text = log.read_text()
+        if processes > 1:  # torchrun reports the signal it got (and would say if it had to kill a rank)
+            outputs = ["".join(path.read_text() for path in sorted((tmp_path / f"{signum.name}-ranks").glob(
+                f"*/attempt_0/{rank}/std*.log"))) for rank in (0, 1)]  # each rank's own output
+            assert code == 1 and "SignalException" in text and "forcefully" not in text, text[-3000:]
+            assert all("Traceback" not in out and "error:" not in out for out in outputs), outputs
+            text = outputs[0]
+        else:
+            assert code == 0, text[-3000:]
+        stopped_at = read_manifest(str(tmp_path / signum.name / "ckpt" / "pretrain_tiny_resume"), "resume")["step"]
+        assert f"stopped by {signum.name} at step {stopped_at}, checkpoint saved" in text and "Traceback" not in text
+        assert 3 <= stopped_at < 10
+        deadline = time.time() + 15
+        while any(alive(pid) for pid in started) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in started)  # no worker outlived the run
+    resumes = [run_args[1:] + dirs(signum.name) + ["--from_resume", "1"] for signum in (signal.SIGTERM, signal.SIGINT)]
+    if processes > 1:
+        run_many("trainer.train_pretrain", [run_args[1:] + dirs("whole")] + resumes, torchrun=processes)
+    else:
+        for argv in [run_args[1:] + dirs("whole")] + resumes:
+            run_here(train_pretrain, argv, capsys, threads=1)
+    whole = final_state(tmp_path / "whole")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        resumed = final_state(tmp_path / signum.name)
+        for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
+            assert first_difference(whole[key], resumed[key], key) is None, (signum.name, key)
+        assert whole["logged"] == resumed["logged"]
 
 
 def check_epochs(rows, dataset_size, max_global_batch):

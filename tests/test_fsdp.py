@@ -30,7 +30,7 @@ from trainer.sharded_checkpoint import (
 from trainer.trainer_utils import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
-from tests.conftest import children, launch, uncommitted, wait_for_step
+from tests.conftest import alive, children, launch, uncommitted, wait_for_step
 from tests.conftest import lora_export, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -259,15 +259,6 @@ def kill_torchrun(proc):
     while any(alive(pid) for pid in workers):
         assert time.time() < deadline, "a killed worker lives on"
         time.sleep(0.01)
-
-
-def alive(pid):
-    """Running: not gone, and not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @ON_LEGS

@@ -23,7 +23,9 @@ from dataset.buckets import bucket_layout
 from dataset.samplers import BucketSampler, make_sampler
 from dataset.samples import epoch_view
 from model.errors import UserError
-from trainer.trainer_utils import ignore_sigint, rng_state, set_rng_state, to_cpu
+from trainer.trainer_utils import (
+    leave_stopping_to_the_main_process, rng_state, set_rng_state, stop_signals_held, to_cpu,
+)
 
 
 def data_workers(requested, device):
@@ -89,10 +91,12 @@ class Position:
             self.epoch, self.consumed, self.loader = self.epoch + 1, 0, None
         if self.loader is None:  # this rank's share of the rest of the epoch; torch's random stream untouched
             batches = self.sampler.rank_batches(self.epoch, self.consumed, self.batch_size, self.global_batch)
-            self.loader = zip(batches, torch.utils.data.DataLoader(
+            loader = torch.utils.data.DataLoader(
                 epoch_view(self.dataset, self.epoch), batch_sampler=batches, num_workers=self.num_workers,
                 pin_memory=self.info.device.type == "cuda",  # page-locked batches: their copy does not block
-                worker_init_fn=ignore_sigint, generator=torch.Generator().manual_seed(self.seed)))
+                worker_init_fn=leave_stopping_to_the_main_process, generator=torch.Generator().manual_seed(self.seed))
+            with stop_signals_held():  # the workers start here
+                self.loader = zip(batches, loader)
         self.step, self.ids = self.step + 1, []
         return self._micro_batches()
 
