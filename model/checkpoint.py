@@ -76,8 +76,11 @@ def write_torch(path, state):
     with atomic_path(path) as tmp:
         try:
             torch.save(state, tmp)
-        except RuntimeError as e:  # torch's file writer reports a write that fell short ("unexpected pos ...")
-            raise OSError(errno.EIO, f"the file was not written whole ({' '.join(str(e).split())[:120]})") from None
+        except RuntimeError as e:
+            if "inline_container" not in str(e) and "PytorchStreamWriter" not in str(e):
+                raise  # not the writer's: named as it is
+            # torch's file writer reports a write that fell short ("unexpected pos ..."), without the reason
+            raise RuntimeError(f"the file was not written whole ({' '.join(str(e).split())[:120]})") from None
     back = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     bad = first_difference(state, back, mapped=mapped_ranges(path))
     if bad is not None:
@@ -90,15 +93,14 @@ def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None, c
     this step's files, verify them, then commit the manifest (`record` + the files' sizes and hashes, and the
     entries of files already `written` and verified by others: a sharded run's shard folder) and delete older
     files. `float_dtype`: the dtype of every floating-point tensor in the '.safetensors' part (the weights), which
-    with `cast` they are cast to as they are written. A save the disk cannot take (full, read-only, not
-    writable) is a one-line SaveError naming the folder, the bytes it needed and the last committed checkpoint.
-    -> total bytes written."""
+    with `cast` they are cast to as they are written. A save that fails is a one-line SaveError naming the
+    folder, what happened and the last committed checkpoint (`save_failed`). -> total bytes written."""
     files = dict(written or {})
     needed = sum(state_bytes(payload, float_dtype if cast and suffix == ".safetensors" else None)
                  for suffix, payload in parts.items())
     folder = os.path.dirname(os.path.abspath(stem))
     if os.path.isdir(folder) and shutil.disk_usage(folder).free < needed:  # the old files go only after the commit
-        raise SaveError(unwritable(stem, OSError(errno.ENOSPC, "not enough free space"), needed))
+        raise SaveError(save_failed(stem, OSError(errno.ENOSPC, "not enough free space"), needed))
     try:
         for suffix, payload in parts.items():
             path = step_file(stem, step, suffix)
@@ -109,19 +111,26 @@ def save_checkpoint(stem, step, record, parts, written=None, float_dtype=None, c
                 entry = write_torch(path, payload)
             files[os.path.basename(path)] = entry
         atomic_write_text(manifest_path(stem), json.dumps({**record, "step": step, "files": files}, indent=2) + "\n")
-    except OSError as e:
-        raise SaveError(unwritable(stem, e, needed)) from None
+    except (OSError, RuntimeError, ValueError) as e:  # a dead worker, a write cut short, a mismatch, the disk
+        raise SaveError(save_failed(stem, e, needed)) from None
     remove_leftovers(stem)
     return sum(entry["bytes"] for entry in files.values())
 
 
-class SaveError(UserError):
-    """A save the disk could not take: the message is one line, naming what to resume from."""
+class SaveError(UserError, RuntimeError):
+    """A save that failed: the message is one line, naming what happened and what to resume from. (A RuntimeError
+    too, as the failures it reports were before they were put in one line.)"""
 
 
-def unwritable(stem, error, needed):
-    """The line for a save under `stem` that failed with the OSError `error` (no space, no permission), needing
-    about `needed` bytes: the folder, the reason, the space there, and the last committed checkpoint."""
+# What the disk is to blame for: it is full, over quota, read-only or not writable
+DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def save_failed(stem, error, needed):
+    """The line for a save under `stem` that failed with `error`, needing about `needed` bytes: the folder, what
+    happened, the space there, and the last committed checkpoint (intact: a save commits only once verified); "make
+    room" where the disk is to blame, else the error's own words (a worker that died, a write cut short, a file
+    that read back otherwise)."""
     folder = os.path.dirname(os.path.abspath(stem))
     free = shutil.disk_usage(folder).free if os.path.isdir(folder) else 0
     last = "nothing was committed under this name yet"
@@ -130,9 +139,16 @@ def unwritable(stem, error, needed):
             last = f"the last committed one, step {json.load(f)['step']} ({manifest_path(stem)}), is intact"
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    return (f"cannot save into {folder}: {error.strerror or error}; this save needs about {needed / 1e6:.0f} MB "
-            f"there ({free / 1e6:.0f} MB free); {last}: make room (or pass another --save_dir / --out_dir) and "
-            "continue with --from_resume 1")
+    space = f"this save needs about {needed / 1e6:.0f} MB there ({free / 1e6:.0f} MB free)"
+    what = error.strerror if isinstance(error, OSError) and error.strerror else " ".join(str(error).split())[:500]
+    what = what or type(error).__name__
+    disk = isinstance(error, OSError) and error.errno in DISK_ERRORS
+    # torch's writer says only that a write fell short: where the disk has no room now, that was why
+    if disk or os.path.isdir(folder) and free < needed:
+        return (f"cannot save into {folder}: {what if disk else f'not enough free space ({what})'}; {space}; "
+                f"{last}: make room (or pass another --save_dir / --out_dir) and continue with --from_resume 1")
+    then = ": continue from it with --from_resume 1" if last.endswith("is intact") else ""
+    return f"cannot save into {folder}: {what}; {space}; {last}{then}"
 
 
 def state_bytes(state, float_dtype=None):

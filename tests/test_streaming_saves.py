@@ -110,6 +110,34 @@ def test_a_save_the_disk_cannot_take_is_one_line_naming_what_to_resume(tmp_path,
     assert "\n" not in message and f"cannot save into {tmp_path}" in message and "MB" in message
     assert "the last committed one, step 1" in message and "--from_resume 1" in message
     assert read_manifest(stem, "resume")["step"] == 1 and files_in(tmp_path) == ["run.json", "run.step00000001.pt"]
+    # the disk is to blame where the error says so; torch's writer does not say why it fell short
+    assert ("make room" in message) == (failure != "torch's writer falls short")
+
+
+@pytest.mark.parametrize("failure", ["a data loader worker died", "the write was interrupted"])
+def test_a_save_that_fails_for_another_reason_names_it_and_does_not_blame_the_disk(tmp_path, monkeypatch, failure):
+    stem = str(tmp_path / "run")
+    save_checkpoint(stem, 1, {"kind": "resume"}, {".pt": {"model": weights()}})
+    if failure == "a data loader worker died":  # torch's SIGCHLD handler raises this wherever the main process is
+        said = "DataLoader worker (pid 4242) is killed by signal: Terminated."
+
+        def dies(obj, path):
+            raise RuntimeError(said)
+        monkeypatch.setattr(checkpoint.torch, "save", dies)
+        part = {".pt": {"model": weights()}}
+    else:
+        said = "Input/output error"
+
+        def cut(f, tensor):
+            raise OSError(errno.EIO, said)
+        monkeypatch.setattr(file_io, "write_bytes", cut)
+        part = {".safetensors": weights()}
+    with pytest.raises(SaveError) as raised:
+        save_checkpoint(stem, 2, {"kind": "resume"}, part)
+    message = str(raised.value)
+    assert "\n" not in message and f"cannot save into {tmp_path}: {said}" in message and "make room" not in message
+    assert "the last committed one, step 1" in message and "is intact" in message and "--from_resume 1" in message
+    assert read_manifest(stem, "resume")["step"] == 1 and files_in(tmp_path) == ["run.json", "run.step00000001.pt"]
 
 
 def test_a_run_whose_disk_fills_ends_in_one_line_and_resumes_from_its_last_save(tmp_path, monkeypatch, pretrained):

@@ -13,7 +13,6 @@ DCP's own metadata classes and nothing else. The commit is model/checkpoint.py's
 read back, compared and hashed on every rank, and only then does rank 0 write the manifest naming them all.
 Loading reshards: the shards are read into the layout the run has now (other process counts, FSDP or not).
 """
-import errno
 import math
 import os
 import pickle
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.storage import StorageMeta
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from model.checkpoint import CheckpointError, SaveError, state_bytes, stem_of, unwritable
+from model.checkpoint import DISK_ERRORS, CheckpointError, SaveError, save_failed, state_bytes, stem_of
 from model.file_io import file_entry, tensors_equal
 from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
 
@@ -84,18 +83,19 @@ def write_shards(folder, tensors, info):
     except (OSError, RuntimeError, ValueError, CheckpointException) as e:
         error = f"rank {info.rank}: {one_line(e)}"
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
-        disk = cause.strerror or str(cause) if isinstance(cause, OSError) else None  # the disk's fault: one line
+        if isinstance(cause, OSError) and cause.errno in DISK_ERRORS:  # the disk's fault
+            disk = (cause.errno, cause.strerror or str(cause))
     reports = [(entries, error, disk)]
     if info.world_size > 1:
         reports = [None] * info.world_size
         dist.all_gather_object(reports, (entries, error, disk))
     disks = [disk for _, _, disk in reports if disk]
-    if disks:
-        needed = state_bytes(tensors) * info.world_size  # each rank counts its own shards
-        raise SaveError(unwritable(stem_of(folder), OSError(errno.ENOSPC, disks[0]), needed))
     errors = [error for _, error, _ in reports if error]
-    if errors:
-        raise RuntimeError(f"writing the shards of {folder} failed: {'; '.join(errors)}")
+    if disks or errors:
+        needed = state_bytes(tensors) * info.world_size  # each rank counts its own shards
+        cause = OSError(*disks[0]) if disks else RuntimeError(f"writing the shards of {folder} failed: "
+                                                              f"{'; '.join(errors)}")
+        raise SaveError(save_failed(stem_of(folder), cause, needed))
     if not info.is_main:
         return {}
     entries = {name: entry for own, _, _ in reports for name, entry in own.items()}
