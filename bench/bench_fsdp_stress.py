@@ -13,6 +13,7 @@ a process dies of a signal. A cycle fails where the
 resumed run does not exit 0 or either run's output shows a native crash; each failure's output is printed.
 """
 import argparse
+import json
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ from model.checkpoint import CheckpointError, read_manifest  # noqa: E402
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "LD_PRELOAD": "libc_malloc_debug.so.0", "MALLOC_CHECK_": "3",
        "GLIBC_TUNABLES": "glibc.malloc.check=3", "PYTHONMALLOC": "malloc", "PYTHONFAULTHANDLER": "1"}
 STEPS = 8
+STEM = "pretrain_tiny_resume"
 # what glibc, Python's faulthandler and torchrun print of a native crash
 CRASHES = ("double free", "corrupted", "free(): ", "malloc(): ", "Fatal Python error", "Segmentation fault",
            "Aborted", "exitcode  : -")
@@ -44,22 +46,28 @@ def command(folder, resume):
 
 
 def committed_step(folder):
+    """The step of the last commit, its files read back whole (sizes and hashes), or 0."""
     try:
-        return read_manifest(os.path.join(folder, "ckpt", "pretrain_tiny_resume"), "resume")["step"]
+        return read_manifest(os.path.join(folder, "ckpt", STEM), "resume")["step"]
     except CheckpointError:
         return 0
 
 
+def manifest(folder):
+    """The committed manifest as it reads, unchecked: cheap enough to poll while the run trains ({} if none)."""
+    try:
+        with open(os.path.join(folder, "ckpt", STEM + ".json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def inside_a_save(folder):
     """Whether a save was under way: files of the resume checkpoint that its manifest does not name."""
-    ckpt, stem = os.path.join(folder, "ckpt"), "pretrain_tiny_resume"
-    if not os.path.isdir(ckpt):
-        return False
-    try:
-        named = {name.split("/")[0] for name in read_manifest(os.path.join(ckpt, stem), "resume")["files"]}
-    except CheckpointError:
-        named = set()
-    return any(n.startswith(".tmp-") or (n.startswith(stem + ".step") and n not in named) for n in os.listdir(ckpt))
+    ckpt = os.path.join(folder, "ckpt")
+    named = {name.split("/")[0] for name in manifest(folder).get("files", {})}
+    return os.path.isdir(ckpt) and any(n.startswith(".tmp-") or (n.startswith(STEM + ".step") and n not in named)
+                                       for n in os.listdir(ckpt))
 
 
 def killed_run(folder, log_path, rng):
@@ -69,10 +77,10 @@ def killed_run(folder, log_path, rng):
         proc = subprocess.Popen(command(folder, False), cwd=REPO, env=ENV, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         deadline = time.time() + 300
-        while committed_step(folder) == 0 and proc.poll() is None and time.time() < deadline:
+        while not manifest(folder) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         time.sleep(rng.uniform(0, 3.0))
-        before = committed_step(folder)
+        before = manifest(folder).get("step", 0)
         kill_all(proc)
     return before, committed_step(folder), inside_a_save(folder)
 
