@@ -127,6 +127,11 @@ PRESETS = {
 }
 
 
+# The presets of published weights (Stability AI's SD3-Medium, SD3.5-Medium, SD3.5-Large): a stage whose weights are
+# one of them trains with its real-model recipe (the fine-tune stages' set_real_model_defaults), not the demo's.
+PUBLISHED_PRESETS = ("sd3-medium", "sd3.5-medium", "sd3.5-large")
+
+
 # The sizes that connect the transformer to its components (VAE channels, text widths). A preset's own values for
 # them are the components it was made for; pretraining on other components takes theirs (components.py
 # transformer_widths), and the weights' config records them.

@@ -10,7 +10,10 @@ resume treats it (the group is where the argument is declared, and what --help s
 This module gives those groups (StageParser), the checked number types every declaration uses, so a bad value
 is one line naming the argument, and the argument groups several stages share. A shared group declares the
 training recipe (batch, learning rate, schedule, loss, intervals) without values: each stage writes them once,
-in its parse_args' set_defaults, and the parser refuses a stage that leaves one unset or sets one twice. The
+in its parse_args' set_defaults, and the parser refuses a stage that leaves one unset or sets one twice. A
+fine-tune stage also writes its real-model recipe (set_real_model_defaults): the values that replace the demo's
+when its weights are a published SD3 / SD3.5 model's (--preset one of PUBLISHED_PRESETS); a flag given on the
+command line wins over either, and args.recipe_note says which recipe is in force. The
 plumbing every stage shares and nobody tunes (--base, --data, paths, resume, cache, workers, dtype, sharding,
 wandb) keeps its one value here.
 """
@@ -21,6 +24,7 @@ import sys
 
 import torch
 
+from model.model_sd3light import PUBLISHED_PRESETS
 from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
@@ -58,6 +62,7 @@ class StageParser(argparse.ArgumentParser):
         self.stage_sets = set()  # the shared arguments whose value the stage writes (set_defaults)
         self.identity, self.recipe = ResumeGroup(self, "identity"), ResumeGroup(self, "recipe")
         self.length, self.free = ResumeGroup(self, "length"), ResumeGroup(self, "free")
+        self.real_model = {}  # the stage's recipe for published weights (set_real_model_defaults)
 
     def set_defaults(self, **values):
         """The stage's recipe: values for the shared arguments declared without one, each written once (an
@@ -67,24 +72,55 @@ class StageParser(argparse.ArgumentParser):
             raise ValueError(f"{', '.join(twice)} already have their value where they are declared")
         super().set_defaults(**values)
 
+    def set_real_model_defaults(self, **values):
+        """The stage's recipe for a published model's weights: the values that replace the demo's (declared ones or
+        its set_defaults) when --preset is one of PUBLISHED_PRESETS. Only arguments the stage has."""
+        declared = {action.dest for action in self._actions}
+        unknown = sorted(name for name in values if name not in declared)
+        if unknown:
+            raise ValueError(f"the real-model recipe sets {', '.join(unknown)}, which the stage does not declare")
+        self.real_model = values
+
     def parse_known_args(self, argv=None, namespace=None):
-        """The namespace carries the arguments' resume kinds as a class attribute (args.resume_kinds), so they go
-        wherever the arguments go without being one of them (vars(args) leaves them out)."""
+        """The arguments, with the real-model recipe's defaults where --preset names published weights. The
+        namespace carries the arguments' resume kinds and the recipe in force as class attributes
+        (args.resume_kinds, args.recipe_note), so they go wherever the arguments go without being one of them
+        (vars(args) leaves them out)."""
         unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
         if unset:
             raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
-        if namespace is None:
-            namespace = type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds})()
-        args, rest = super().parse_known_args(argv, namespace)
+        demo_note = "the demo's recipe (parse_args' set_defaults)" + (
+            f"; --preset {', '.join(PUBLISHED_PRESETS)} take the real-model one" if self.real_model else "")
+        args, rest = super().parse_known_args(argv, namespace or self.namespace(demo_note))
+        if namespace is None and self.real_model and getattr(args, "preset", None) in PUBLISHED_PRESETS:
+            demo = {name: self.get_default(name) for name in self.real_model}
+            super().set_defaults(**self.real_model)  # a fresh parse: the flags given still win over these
+            try:
+                args, rest = super().parse_known_args(argv, self.namespace(real_model_note(args.preset,
+                                                                                          self.real_model)))
+            finally:
+                super().set_defaults(**demo)
         given = vars(args)
         if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
             self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
                        "on each GPU) and gathers it there; leave --ema_device auto")
         return args, rest
 
+    def namespace(self, recipe_note):
+        return type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds,
+                                                         "recipe_note": recipe_note})()
+
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def real_model_note(preset, values):
+    """The log line that names the real-model recipe in force, and its values."""
+    shown = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+                      for name, value in values.items())
+    return (f"the real-model recipe (--preset {preset} is published weights): {shown}; a flag given on the command "
+            "line wins")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -80,6 +80,23 @@ def parse_args(argv=None):
                         max_steps=0, sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=1.0,
                         loss="mse", weighting="none", caption_dropout=0.1, save_interval=200, sample_interval=400,
                         save_dtype="bf16")
+    # The real-model recipe, for published SD3 / SD3.5 weights (--preset sd3-medium, sd3.5-medium, sd3.5-large), in
+    # place of the demo's; any flag you pass still wins. Where each value comes from:
+    #   trained_dtype bf16 (stochastic rounding on), optimizer adamw8bit, no EMA: 6 bytes a parameter instead of
+    #     20, what fits SD3.5-Medium on a 24 GB card (BENCHMARKS.md); SimpleTuner's SD3 quickstart trains bf16
+    #     weights with stochastic rounding (optimizer adamw_bf16) and no EMA (use_ema off by default)
+    #   learning_rate 1e-5: SimpleTuner's SD3 quickstart ("1e-5 works with StableAdamW but 4e-5 could explode")
+    #   batch_size 1, accumulation_steps 4, constant rate without warmup, max_steps 500, resolution 1024:
+    #     diffusers' examples/dreambooth/README_sd3.md full fine-tune command (train_dreambooth_sd3.py);
+    #     weight_decay 1e-4: its --adam_weight_decay
+    #   gradient_checkpointing 1: what fits 1024 px on 24 GB (without it the estimate is 21 GiB)
+    #   logit-normal sigmas (0, 1) shifted by 3: as the LoRA stage (diffusers draws timesteps from the model's
+    #     scheduler, shift 3.0)
+    #   export_single_file: the result in ComfyUI's Load Diffusion Model and Forge, beside the diffusers folder
+    parser.set_real_model_defaults(trained_dtype="bf16", optimizer="adamw8bit", ema_decay=0.0, learning_rate=1e-5,
+                                   batch_size=1, accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0,
+                                   max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing=1,
+                                   train_shift=3.0, export_single_file=True)
     return parser.parse_args(argv)
 
 
@@ -94,6 +111,14 @@ def data_settings(args):
         encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
 
 
+def memory_plan(args):
+    """What the memory estimate weighs (model/memory.py): one trained transformer, in --trained_dtype, its
+    optimizer, the EMA, one micro-batch, and whether the step is fused into backward."""
+    return MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
+                      args.resolution, bool(args.gradient_checkpointing), args.trained_dtype,
+                      bool(args.step_in_backward))
+
+
 def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed or started; the loop."""
     args = parse_args(argv)
@@ -104,6 +129,7 @@ def main(argv=None):
     name = run_name("sft", args.preset)
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
+    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("sft"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size), args.trained_dtype)
@@ -122,10 +148,7 @@ def main(argv=None):
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing), args.trained_dtype,
-                      bool(args.step_in_backward))
-    for line in estimate_lines(config, plan, components, precision, info):
+    for line in estimate_lines(config, memory_plan(args), components, precision, info):
         metrics.log(line)
     model = load_network(source, "trained", precision.frozen, info, precision.trained)
     model.gradient_checkpointing = bool(args.gradient_checkpointing)

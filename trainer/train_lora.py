@@ -96,6 +96,21 @@ def parse_args(argv=None):
                         max_steps=0, sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=1.0,
                         loss="mse", weighting="none", caption_dropout=0.0, save_interval=100, sample_interval=0,
                         save_dtype="fp32")
+    # The real-model recipe, for published SD3 / SD3.5 weights (--preset sd3-medium, sd3.5-medium, sd3.5-large), in
+    # place of the demo's; any flag you pass still wins. Where each value comes from:
+    #   learning_rate 1e-4, lora_rank 16: kohya sd-scripts docs/sd3_train_network.md (network_dim=16,
+    #     learning_rate=1e-4) and SimpleTuner's SD3 quickstart (learning_rate=1e-4; --lora_rank 16 by default);
+    #     alpha = rank (scale 1, our default) as diffusers' train_dreambooth_lora_sd3.py (lora_alpha=args.rank)
+    #   batch_size 1, accumulation_steps 4, constant rate without warmup, max_steps 500: diffusers'
+    #     examples/dreambooth/README_sd3.md LoRA command (train_batch_size=1, gradient_accumulation_steps=4,
+    #     lr_scheduler constant, lr_warmup_steps 0, max_train_steps 500); weight_decay 1e-4: its --adam_weight_decay
+    #   gradient_checkpointing 1, resolution 1024: diffusers' and SimpleTuner's SD3 examples (1024 px, SD3.5's own)
+    #   logit-normal sigmas (0, 1) shifted by 3: diffusers' --weighting_scheme logit_normal draws its timesteps
+    #     from the model's scheduler, shift 3.0 in SD3.5's scheduler_config (SimpleTuner's flow_schedule_shift 3)
+    #   sample_interval 100: no anchor; a grid every fifth of the run, to watch it learn
+    parser.set_real_model_defaults(learning_rate=1e-4, lora_rank=16, batch_size=1, accumulation_steps=4,
+                                   warmup_steps=0, min_lr_ratio=1.0, max_steps=500, weight_decay=1e-4,
+                                   gradient_checkpointing=1, resolution=1024, train_shift=3.0, sample_interval=100)
     return parser.parse_args(argv)
 
 
@@ -122,6 +137,14 @@ def prior_dataset(args, settings, components, config, log):
     return dataset
 
 
+def memory_plan(args, config):
+    """What the memory estimate weighs (model/memory.py): the adapters on a frozen transformer of `config` (a bad
+    --lora_targets: one line), AdamW on them, the EMA and one micro-batch."""
+    adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)
+    return MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
+                      bool(args.gradient_checkpointing))
+
+
 def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
     (train)."""
@@ -131,6 +154,7 @@ def main(argv=None):
     name = lora_run_name(args.lora_name, args.preset)
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
+    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
                               bool(args.base), resumed_dtype(saved, info.world_size))
@@ -150,10 +174,7 @@ def main(argv=None):
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)  # a bad target: one line
-    plan = MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
-                      bool(args.gradient_checkpointing))
-    for line in estimate_lines(config, plan, components, precision, info):
+    for line in estimate_lines(config, memory_plan(args, config), components, precision, info):
         metrics.log(line)
     model = load_network(source, "frozen", precision.frozen, info)
     apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)

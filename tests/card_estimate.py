@@ -1,0 +1,19 @@
+"""The memory estimate of a stage's command on one GPU, as the stage logs it before the weights load
+(model/memory.py), for the commands the README shows per card: the preset's transformer built on the meta device (no
+file read), SD3's VAE as the components left once the cache is built (the text encoders are freed then)."""
+from model.memory import activation_bytes, estimate, kept_value_bytes
+from model.model_sd3light import preset_config
+
+SD3_VAE_BYTES = 83.82e6 * 2  # SD3's VAE, 83.82M parameters, held in bf16 (--frozen_dtype auto with --base)
+SD3_DOWNSCALE = 8  # its latent is an eighth of the image's side
+
+
+def card_estimate(stage, args):
+    """Bytes one process is estimated to peak at on a CUDA GPU for `stage` (a LoRA or full fine-tune script module)
+    parsed into `args`, while it trains."""
+    config = preset_config(args.preset)
+    plan = stage.memory_plan(args, config) if stage.__name__.endswith("lora") else stage.memory_plan(args)
+    frozen = "bf16" if args.frozen_dtype == "auto" else args.frozen_dtype
+    activations = activation_bytes(config, args.batch_size, args.resolution, SD3_DOWNSCALE, 77 + args.t5_max_length,
+                                   plan.checkpointing, kept_value_bytes("bf16", "cuda"))
+    return sum(estimate(config, plan, frozen, 1, activations, SD3_VAE_BYTES, "cuda").values())

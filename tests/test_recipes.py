@@ -1,0 +1,55 @@
+"""The stages' real-model recipes: published weights (--preset sd3-medium, sd3.5-medium, sd3.5-large) train with a
+real fine-tune's values (each cited in the stage's parse_args), the demo keeps its own, a flag given wins, and the
+acceptance commands' memory estimate at 1024 px fits a 24 GB card."""
+import pytest
+
+import trainer.train_distill as train_distill
+import trainer.train_dpo as train_dpo
+import trainer.train_full_sft as train_full_sft
+import trainer.train_lora as train_lora
+import trainer.train_pretrain as train_pretrain
+from model.memory import GIB
+from model.model_sd3light import PUBLISHED_PRESETS
+from tests.card_estimate import card_estimate
+
+MEDIUM = ["--base", "/models/sd3.5-medium", "--from_weight", "base", "--preset", "sd3.5-medium", "--data", "my_images"]
+RECIPES = {
+    train_lora: dict(learning_rate=1e-4, lora_rank=16, lora_alpha=None, lora_targets="attention", batch_size=1,
+                     accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0, max_steps=500, weight_decay=1e-4,
+                     gradient_checkpointing=1, resolution=1024, sigma_scheme="logit_normal", train_shift=3.0,
+                     ema_decay=0.0, caption_dropout=0.0, frozen_dtype="auto"),
+    train_full_sft: dict(trained_dtype="bf16", stochastic_rounding=1, optimizer="adamw8bit", ema_decay=0.0,
+                         learning_rate=1e-5, batch_size=1, accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0,
+                         max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing=1,
+                         train_shift=3.0, export_single_file=True),
+    train_dpo: dict(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, weight_decay=1e-4,
+                    resolution=512, batch_size=4, accumulation_steps=6, gradient_checkpointing=1),
+    train_distill: dict(learning_rate=1e-6, warmup_steps=500, weight_decay=0.0, real_guidance=4.0,
+                        gen_update_ratio=10, gan_weight=0.1, batch_size=1, resolution=1024, gradient_checkpointing=1),
+}
+
+
+@pytest.mark.parametrize("stage", list(RECIPES), ids=lambda stage: stage.__name__.split(".")[-1])
+def test_published_weights_train_with_the_real_model_recipe(stage):
+    for preset in PUBLISHED_PRESETS:
+        argv = ["--preset", preset] + (["--pairs", "pairs.jsonl"] if stage is train_dpo else [])
+        args = stage.parse_args(argv)
+        assert {name: getattr(args, name) for name in RECIPES[stage]} == RECIPES[stage]
+        assert args.recipe_note.startswith(f"the real-model recipe (--preset {preset}")
+    demo = stage.parse_args(["--preset", "sd3-tiny"])  # the tests' tiny SD3 folder: the demo's values
+    assert demo.recipe_note.startswith("the demo's recipe") and demo.resolution == 32
+    assert any(getattr(demo, name) != value for name, value in RECIPES[stage].items())
+
+
+def test_a_flag_given_wins_over_the_real_model_recipe_and_the_pretrain_stage_has_none():
+    args = train_lora.parse_args(MEDIUM + ["--learning_rate", "3e-4", "--resolution", "768", "--batch_size", "2"])
+    assert (args.learning_rate, args.resolution, args.batch_size, args.lora_rank) == (3e-4, 768, 2, 16)
+    assert "recipe_note" not in vars(args)  # not an argument: a resume compares vars(args)
+    assert train_pretrain.parse_args(["--preset", "sd3.5-medium"]).learning_rate == 1e-3  # pretraining: the demo's
+
+
+@pytest.mark.parametrize("stage", [train_lora, train_full_sft], ids=["lora", "sft"])
+def test_the_acceptance_commands_estimate_at_most_20_gib_at_1024_px(stage):
+    args = stage.parse_args(MEDIUM)
+    assert args.resolution == 1024
+    assert card_estimate(stage, args) <= 20 * GIB
