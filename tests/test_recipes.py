@@ -25,7 +25,7 @@ RECIPES = {
     train_dpo: dict(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, weight_decay=1e-4,
                     resolution=512, batch_size=4, accumulation_steps=6, gradient_checkpointing=1),
     train_distill: dict(learning_rate=1e-6, warmup_steps=500, weight_decay=0.0, real_guidance=4.0,
-                        gen_update_ratio=10, gan_weight=0.1, batch_size=1, resolution=1024, gradient_checkpointing=1),
+                        gen_update_ratio=10, gan_weight=0.0, batch_size=1, resolution=1024, gradient_checkpointing=1),
 }
 
 

@@ -96,10 +96,10 @@ class StageParser(argparse.ArgumentParser):
             demo = {name: self.get_default(name) for name in self.real_model}
             super().set_defaults(**self.real_model)  # a fresh parse: the flags given still win over these
             try:
-                args, rest = super().parse_known_args(argv, self.namespace(real_model_note(args.preset,
-                                                                                          self.real_model)))
+                args, rest = super().parse_known_args(argv, self.namespace(None))
             finally:
                 super().set_defaults(**demo)
+            type(args).recipe_note = real_model_note(args, self.real_model)
         given = vars(args)
         if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
             self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
@@ -115,12 +115,14 @@ class StageParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def real_model_note(preset, values):
-    """The log line that names the real-model recipe in force, and its values."""
-    shown = ", ".join(f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
-                      for name, value in values.items())
-    return (f"the real-model recipe (--preset {preset} is published weights): {shown}; a flag given on the command "
-            "line wins")
+def real_model_note(args, recipe):
+    """The log line that names the real-model recipe and its values in force, marking those a flag changed."""
+    shown = []
+    for name, value in recipe.items():
+        given = getattr(args, name)
+        text = f"{given:g}" if isinstance(given, float) else str(given)
+        shown.append(f"{name} {text}" + (" (your flag)" if given != value else ""))
+    return f"the real-model recipe (--preset {args.preset} is published weights): {', '.join(shown)}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
