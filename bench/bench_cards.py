@@ -1,7 +1,7 @@
 """The README's commands for each card, run: every `python trainer/...` line of its GPU quickstart whose comment
 names a card ("on a 24 GB card"), with --base pointed at a folder of the same model (a stand-in from
 bench/stand_in.py, or the published weights), a few steps at a chosen resolution, into a folder of its own.
-Prints, for each: the exit code, the wall clock, the peak memory (resident on a CPU; torch's allocated / reserved
+The sample grids draw one prompt in two steps. Prints, for each: the exit code, the wall clock, the peak memory (resident on a CPU; torch's allocated / reserved
 on a GPU, from the run's own log) and the run's memory estimate line.
 
     python bench/stand_in.py /tmp/sd35_medium --preset sd3.5-medium
@@ -82,8 +82,13 @@ def main(argv=None):
     folders = dict(item.split("=", 1) for item in args.folder)
     with open(os.path.join(REPO, "README.md")) as f:
         commands = card_commands(f.read())
-    after = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_steps", "2"]
     work = args.work or tempfile.mkdtemp(prefix="bench_cards_")
+    os.makedirs(work, exist_ok=True)
+    prompts = os.path.join(work, "prompts.txt")  # one prompt, two Euler steps: the grids drawn, briefly
+    with open(prompts, "w") as f:
+        f.write("a photo\n")
+    after = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_steps", "2",
+             "--sample_prompts", prompts]
     for n, (comment, words) in enumerate(commands):
         words = with_folder(words, folders, args.data)
         if words is None or args.only not in comment:
