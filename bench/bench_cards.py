@@ -8,9 +8,9 @@ on a GPU, from the run's own log) and the run's memory estimate line.
     python bench/bench_cards.py --folder sd3.5-medium=/tmp/sd35_medium --data my_images/ --resolution 256
     python bench/bench_cards.py --folder sd3.5-medium=/models/sd3.5-medium --data my_images/ --resolution 1024  # GPU
 
-`--before` puts flags in front of the command's own (a command's flag then wins over it: e.g. `--frozen_dtype
-fp32` where a CPU computes bf16 convolutions slowly, which leaves the int8 commands their int8); `--only` picks
-commands by a word of their comment.
+`--resolution` and `--before` go in front of the command's own flags, so a command's own wins (the 12 GB
+SD3.5-Large command keeps its 512 px; `--before "--frozen_dtype fp32"` where a CPU computes bf16 convolutions
+slowly leaves the int8 commands their int8); `--only` picks commands by a word of their comment.
 """
 import argparse
 import os
@@ -57,16 +57,17 @@ def peak_line(log):
 
 
 def run_one(words, before, after, folder):
-    """Run one command with `before` flags ahead of its own and `after` behind them, in `folder`."""
+    """Run one command with `before` flags ahead of its own and `after` behind them, in `folder` -> (its exit code,
+    its output, seconds, its peak resident memory in GiB)."""
     script, flags = words[0], words[1:]
     paths = ["--out_dir", os.path.join(folder, "out"), "--save_dir", os.path.join(folder, "ckpt"),
              "--cache_dir", os.path.join(folder, "cache")]
-    command = ["/usr/bin/time", "-v", sys.executable, script, *before, *flags, *after, *paths]
     started = time.perf_counter()
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", result.stderr)
-    return result, seconds, int(rss.group(1)) / 2 ** 20 if rss else float("nan")
+    process = subprocess.Popen([sys.executable, script, *before, *flags, *after, *paths], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)  # this child's own peak (Linux: KiB)
+    return os.waitstatus_to_exitcode(status), output, time.perf_counter() - started, usage.ru_maxrss / 2 ** 20
 
 
 def main(argv=None):
@@ -87,16 +88,16 @@ def main(argv=None):
     prompts = os.path.join(work, "prompts.txt")  # one prompt, two Euler steps: the grids drawn, briefly
     with open(prompts, "w") as f:
         f.write("a photo\n")
-    after = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_steps", "2",
-             "--sample_prompts", prompts]
+    before = ["--resolution", str(args.resolution), *shlex.split(args.before)]  # a command's own --resolution wins
+    after = ["--max_steps", str(args.steps), "--sample_steps", "2", "--sample_prompts", prompts]
     for n, (comment, words) in enumerate(commands):
         words = with_folder(words, folders, args.data)
         if words is None or args.only not in comment:
             continue
-        result, seconds, rss = run_one(words, shlex.split(args.before), after, os.path.join(work, f"run{n}"))
-        peak, estimate = peak_line(result.stdout + result.stderr)
-        tail = "" if result.returncode == 0 else "\n    " + (result.stdout + result.stderr).strip()[-600:]
-        print(f"{comment}\n    exit {result.returncode}, {seconds:.0f} s, peak resident {rss:.2f} GiB; {peak}\n"
+        code, output, seconds, rss = run_one(words, before, after, os.path.join(work, f"run{n}"))
+        peak, estimate = peak_line(output)
+        tail = "" if code == 0 else "\n    " + output.strip()[-600:]
+        print(f"{comment}\n    exit {code}, {seconds:.0f} s, peak resident {rss:.2f} GiB; {peak}\n"
               f"    {estimate}{tail}", flush=True)
 
 

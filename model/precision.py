@@ -192,7 +192,8 @@ def run_precision(dtype, frozen_dtype, stage, info, sd3_components=False, resume
             why += "; this GPU emulates bf16: --frozen_dtype fp32 computes in fp32 where memory allows"
     if trained == "bf16" and info.sharded:  # FSDP2's sharded bf16 gradients met fp32 norms across ranks here
         raise UserError("--trained_dtype bf16 with --fsdp 1 is not supported: FSDP already divides the fp32 state "
-                        "over the processes; drop one of them")
+                        "over the processes; pass --trained_dtype fp32 (published weights' recipe holds bf16 weights "
+                        "for one GPU), or drop --fsdp 1")
     if trained == "bf16" and compute == "fp32":
         if dtype == "fp32":
             raise UserError("--dtype fp32 with --trained_dtype bf16: weights held in bf16 compute in bf16; drop "

@@ -1,11 +1,14 @@
 """The memory estimate of a stage's command on one GPU, as the stage logs it before the weights load
 (model/memory.py), for the commands the README shows per card: the preset's transformer built on the meta device (no
 file read), SD3's VAE as the components left once the cache is built (the text encoders are freed then)."""
-from model.memory import activation_bytes, estimate, kept_value_bytes
+from model.memory import RUNTIME, activation_bytes, estimate, kept_value_bytes
 from model.model_sd3light import preset_config
 
 SD3_VAE_BYTES = 83.82e6 * 2  # SD3's VAE, 83.82M parameters, held in bf16 (--frozen_dtype auto with --base)
 SD3_DOWNSCALE = 8  # its latent is an eighth of the image's side
+# What building the cache holds before the transformer loads: the text encoders (T5-XXL's encoder 4.76B, CLIP-G
+# 695M, CLIP-L 123M parameters) and the VAE, in bf16, and the runtime
+CACHE_BUILD_BYTES = (4.76e9 + 695e6 + 123e6) * 2 + SD3_VAE_BYTES + RUNTIME["cuda"]
 
 
 def card_estimate(stage, args):

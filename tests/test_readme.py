@@ -12,7 +12,7 @@ import pytest
 
 from bench.bench_cards import card_commands
 from model.memory import GIB
-from tests.card_estimate import card_estimate
+from tests.card_estimate import CACHE_BUILD_BYTES, card_estimate
 from tests.scripts import REPO
 
 PAGES = ["README.md"] + sorted(os.path.join("docs", name) for name in os.listdir(os.path.join(REPO, "docs"))
@@ -85,9 +85,11 @@ def test_every_command_the_readme_shows_parses(comment, command, monkeypatch):
     assert os.path.isfile(os.path.join(REPO, script)), f"{script} does not exist"
     args = parse(script, argv, monkeypatch)
     card = re.findall(r"(\d+) GB card", comment or "")
-    if card:  # a card's command: estimated to fit it where it trains (the LoRA and full fine-tune stages)
+    if card:  # a card's command: estimated to fit it while it trains, with a tenth to spare (the estimate of the
+        # LoRA recipe was 8% under what an H100 allocated), and while the cache is built before that
         stage = importlib.import_module(script[:-len(".py")].replace("/", "."))
-        assert card_estimate(stage, args) <= min(int(n) for n in card) * GIB, command
+        card_bytes = min(int(n) for n in card) * GIB
+        assert card_estimate(stage, args) <= 0.9 * card_bytes and CACHE_BUILD_BYTES <= card_bytes, command
 
 
 def test_the_readme_is_short_and_starts_with_the_gpu_quickstart():

@@ -24,28 +24,33 @@ RECIPES = {
                          train_shift=3.0, export_single_file=True),
     train_dpo: dict(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4, weight_decay=1e-4,
                     resolution=512, batch_size=4, accumulation_steps=6, gradient_checkpointing=1),
-    train_distill: dict(learning_rate=1e-6, warmup_steps=500, weight_decay=0.0, real_guidance=4.0,
-                        gen_update_ratio=10, gan_weight=0.0, batch_size=1, resolution=1024, gradient_checkpointing=1),
+    train_distill: dict(learning_rate=1e-6, warmup_steps=50, weight_decay=0.0, real_guidance=4.0, gen_update_ratio=10,
+                        gan_weight=0.0, ema_decay=0.0, batch_size=1, resolution=1024, gradient_checkpointing=1),
 }
 
 
 @pytest.mark.parametrize("stage", list(RECIPES), ids=lambda stage: stage.__name__.split(".")[-1])
 def test_published_weights_train_with_the_real_model_recipe(stage):
     for preset in PUBLISHED_PRESETS:
-        argv = ["--preset", preset] + (["--pairs", "pairs.jsonl"] if stage is train_dpo else [])
+        argv = ["--base", "/models/sd3", "--preset", preset] + (["--pairs", "pairs.jsonl"] if stage is train_dpo else [])
         args = stage.parse_args(argv)
         assert {name: getattr(args, name) for name in RECIPES[stage]} == RECIPES[stage]
         assert args.recipe_note.startswith(f"the real-model recipe (--preset {preset}")
-    demo = stage.parse_args(["--preset", "sd3-tiny"])  # the tests' tiny SD3 folder: the demo's values
-    assert demo.recipe_note.startswith("the demo's recipe") and demo.resolution == 32
-    assert any(getattr(demo, name) != value for name, value in RECIPES[stage].items())
+    for demo_argv in (["--base", "/models/sd3-tiny", "--preset", "sd3-tiny"],  # the tests' tiny SD3 folder
+                      ["--preset", "sd3.5-medium"]):  # no SD3 components: not published weights (x-prediction here)
+        demo = stage.parse_args(demo_argv)
+        assert demo.recipe_note.startswith("the demo's recipe") and demo.resolution == 32
+        assert any(getattr(demo, name) != value for name, value in RECIPES[stage].items())
 
 
 def test_a_flag_given_wins_over_the_real_model_recipe_and_the_pretrain_stage_has_none():
     args = train_lora.parse_args(MEDIUM + ["--learning_rate", "3e-4", "--resolution", "768", "--batch_size", "2"])
     assert (args.learning_rate, args.resolution, args.batch_size, args.lora_rank) == (3e-4, 768, 2, 16)
     assert "recipe_note" not in vars(args)  # not an argument: a resume compares vars(args)
-    assert train_pretrain.parse_args(["--preset", "sd3.5-medium"]).learning_rate == 1e-3  # pretraining: the demo's
+    assert "resolution 768 (your flag)" in args.recipe_note and "lora_rank 16," in args.recipe_note
+    sft = train_full_sft.parse_args(MEDIUM + ["--no-export_single_file"])  # a switch the recipe turns on, turned off
+    assert sft.export_single_file is False and train_full_sft.parse_args(MEDIUM).export_single_file is True
+    assert train_pretrain.parse_args(MEDIUM[:2] + ["--preset", "sd3.5-medium"]).learning_rate == 1e-3  # the demo's
 
 
 @pytest.mark.parametrize("stage", [train_lora, train_full_sft], ids=["lora", "sft"])
@@ -53,3 +58,10 @@ def test_the_acceptance_commands_estimate_at_most_20_gib_at_1024_px(stage):
     args = stage.parse_args(MEDIUM)
     assert args.resolution == 1024
     assert card_estimate(stage, args) <= 20 * GIB
+
+
+def test_help_lists_the_real_model_recipe(capsys):
+    with pytest.raises(SystemExit):
+        train_lora.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "the real-model recipe replaces the demo's defaults: learning_rate 0.0001, lora_rank 16, batch_size 1" in shown

@@ -12,8 +12,9 @@ is one line naming the argument, and the argument groups several stages share. A
 training recipe (batch, learning rate, schedule, loss, intervals) without values: each stage writes them once,
 in its parse_args' set_defaults, and the parser refuses a stage that leaves one unset or sets one twice. A
 fine-tune stage also writes its real-model recipe (set_real_model_defaults): the values that replace the demo's
-when its weights are a published SD3 / SD3.5 model's (--preset one of PUBLISHED_PRESETS); a flag given on the
-command line wins over either, and args.recipe_note says which recipe is in force. The
+when its weights are a published SD3 / SD3.5 model's (--preset one of PUBLISHED_PRESETS, with --base's SD3
+components); a flag given on the command line wins over either, and args.recipe_note says which recipe is in
+force. The
 plumbing every stage shares and nobody tunes (--base, --data, paths, resume, cache, workers, dtype, sharding,
 wandb) keeps its one value here.
 """
@@ -74,12 +75,15 @@ class StageParser(argparse.ArgumentParser):
 
     def set_real_model_defaults(self, **values):
         """The stage's recipe for a published model's weights: the values that replace the demo's (declared ones or
-        its set_defaults) when --preset is one of PUBLISHED_PRESETS. Only arguments the stage has."""
+        its set_defaults) when --preset is one of PUBLISHED_PRESETS and --base gives SD3 components. Only arguments
+        the stage has; --help lists them."""
         declared = {action.dest for action in self._actions}
         unknown = sorted(name for name in values if name not in declared)
         if unknown:
             raise ValueError(f"the real-model recipe sets {', '.join(unknown)}, which the stage does not declare")
         self.real_model = values
+        self.epilog = (f"With --base and --preset {', '.join(PUBLISHED_PRESETS)} (published weights), the real-model "
+                       f"recipe replaces the demo's defaults: {shown_values(values)}; a flag given still wins.")
 
     def parse_known_args(self, argv=None, namespace=None):
         """The arguments, with the real-model recipe's defaults where --preset names published weights. The
@@ -89,17 +93,21 @@ class StageParser(argparse.ArgumentParser):
         unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
         if unset:
             raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
+        if namespace is not None:
+            raise ValueError("a stage parses its arguments into a namespace of its own (StageParser.namespace)")
         demo_note = "the demo's recipe (parse_args' set_defaults)" + (
-            f"; --preset {', '.join(PUBLISHED_PRESETS)} take the real-model one" if self.real_model else "")
-        args, rest = super().parse_known_args(argv, namespace or self.namespace(demo_note))
-        if namespace is None and self.real_model and getattr(args, "preset", None) in PUBLISHED_PRESETS:
+            f"; --base with --preset {', '.join(PUBLISHED_PRESETS)} takes the real-model one" if self.real_model
+            else "")
+        args, rest = super().parse_known_args(argv, self.namespace(demo_note))
+        if self.real_model and getattr(args, "preset", None) in PUBLISHED_PRESETS and getattr(args, "base", None):
             demo = {name: self.get_default(name) for name in self.real_model}
             super().set_defaults(**self.real_model)  # a fresh parse: the flags given still win over these
             try:
                 args, rest = super().parse_known_args(argv, self.namespace(None))
             finally:
                 super().set_defaults(**demo)
-            type(args).recipe_note = real_model_note(args, self.real_model)
+            in_force = {name: getattr(args, name) for name in self.real_model}
+            type(args).recipe_note = real_model_note(args.preset, in_force, self.real_model)
         given = vars(args)
         if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
             self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
@@ -115,14 +123,19 @@ class StageParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def real_model_note(args, recipe):
-    """The log line that names the real-model recipe and its values in force, marking those a flag changed."""
+def shown_values(values, recipe=None):
+    """`name value, ...` of `values`; with `recipe`, each value that differs from its marked "(your flag)"."""
     shown = []
-    for name, value in recipe.items():
-        given = getattr(args, name)
-        text = f"{given:g}" if isinstance(given, float) else str(given)
-        shown.append(f"{name} {text}" + (" (your flag)" if given != value else ""))
-    return f"the real-model recipe (--preset {args.preset} is published weights): {', '.join(shown)}"
+    for name, value in values.items():
+        text = f"{name} {value:g}" if isinstance(value, float) else f"{name} {value}"
+        shown.append(text + (" (your flag)" if recipe is not None and value != recipe[name] else ""))
+    return ", ".join(shown)
+
+
+def real_model_note(preset, in_force, recipe):
+    """The log line that names the real-model recipe and its values in force (`in_force`), marking those a flag
+    changed from `recipe`'s."""
+    return f"the real-model recipe (--preset {preset} is published weights): {shown_values(in_force, recipe)}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -242,9 +255,9 @@ def add_export_args(parser):
     a = parser.free.add_argument
     a("--export_pipeline", action="store_true", help="also write out/<run>/ as a full diffusers pipeline folder "
       "(needs --base and v-prediction); out/<run>/transformer/ is always written for v-prediction")
-    a("--export_single_file", action="store_true", help="also write out/<run>_single_file.safetensors: the "
-      "original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, Forge and diffusers' from_single_file "
-      "(needs v-prediction)")
+    a("--export_single_file", action=argparse.BooleanOptionalAction, default=False, help="also write "
+      "out/<run>_single_file.safetensors: the original SD3 layout in bf16, for ComfyUI's Load Diffusion Model, "
+      "Forge and diffusers' from_single_file (needs v-prediction); --no-export_single_file: not")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -102,12 +102,14 @@ def parse_args(argv=None):
     # The real-model recipe, for published SD3 / SD3.5 weights (--preset sd3-medium, sd3.5-medium, sd3.5-large), in
     # place of the demo's; any flag you pass still wins. From DMD2 adapted to SD3.5 in XingtongGe/SenseFlow
     # (configs/SD35/sd35_senseflow.yaml, senseflow/trainer/trainer_sd35_senseflow.py): learning_rate 1e-6 for both
-    # networks with 500 warmup steps and no weight decay (lr_max, warm_up_steps, weight_decay), real_guidance 4
-    # (real_guidance_scale), the generator every 10th step (GD = 10), 4 generator steps, batch 1 at 1024 px,
-    # grad_clip 1.0; gradient checkpointing to fit the two trained copies. Its GAN term (gan_weight 0.1) stays off:
+    # networks and no weight decay (lr_max, weight_decay), real_guidance 4 (real_guidance_scale), the generator
+    # every 10th step (GD = 10), 4 generator steps, batch 1 at 1024 px, grad_clip 1.0; no EMA, as tianweiy/DMD2
+    # trains SD and SDXL (it creates none), which also leaves 4 bytes a parameter off the GPU; gradient
+    # checkpointing to fit the two trained copies. Left the demo's: the warmup (SenseFlow warms up over 500 steps
+    # of a far longer run), the guidance interval and the run's length. Its GAN term (gan_weight 0.1) stays off:
     # our head does not shard, and the two trained copies of a published model need --fsdp 1
-    parser.set_real_model_defaults(learning_rate=1e-6, warmup_steps=500, weight_decay=0.0, real_guidance=4.0,
-                                   gen_update_ratio=10, batch_size=1, resolution=1024, gradient_checkpointing=1)
+    parser.set_real_model_defaults(learning_rate=1e-6, weight_decay=0.0, real_guidance=4.0, gen_update_ratio=10,
+                                   ema_decay=0.0, batch_size=1, resolution=1024, gradient_checkpointing=1)
     return parser.parse_args(argv)
 
 
@@ -170,12 +172,12 @@ def main(argv=None):
     name = run_name("distill", args.preset)
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
                               frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
         metrics.log(line)
+    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)
 
     # The teacher's record (its prediction and sampler kept) and components; the data and its cache (the text

@@ -116,7 +116,8 @@ def parse_args(argv=None):
     # The real-model recipe, for published SD3 / SD3.5 weights (--preset sd3-medium, sd3.5-medium, sd3.5-large), in
     # place of the demo's; any flag you pass still wins. From Flow-DPO on SD3.5-Medium in yifan123/flow_grpo
     # (config/dpo.py, config/base.py, scripts/train_sd3_dpo.py), whose loss is ours (-beta/2 inside the sigmoid):
-    #   dpo_beta 100 (config.train.beta), adapters of rank 32 and alpha 64 (LoraConfig r=32, lora_alpha=64),
+    #   dpo_beta 100 (config.train.beta), adapters of rank 32 and alpha 64 (LoraConfig r=32, lora_alpha=64: a
+    #   scale of 2; with another --lora_rank give --lora_alpha too, or the scale changes),
     #   learning_rate 3e-4, weight_decay 1e-4, grad_clip 1.0, constant rate, resolution 512, 24 pairs a step
     #   (train_batch_size 24; here 4 a micro-batch and 6 micro-batches, with gradient checkpointing, to fit a card)
     parser.set_real_model_defaults(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
@@ -180,12 +181,12 @@ def main(argv=None):
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("dpo", cpu_bf16=False,
                               frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
         metrics.log(line)
+    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)
 
     # The starting weights' record and components; the pairs (and their cache, when it is on); the estimate; the

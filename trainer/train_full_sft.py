@@ -129,12 +129,12 @@ def main(argv=None):
     name = run_name("sft", args.preset)
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("sft"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size), args.trained_dtype)
     for line in precision.notes:
         metrics.log(line)
+    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)
 
     # The starting weights' record and components (their prediction and components are kept); the data and its

@@ -154,12 +154,12 @@ def main(argv=None):
     name = lora_run_name(args.lora_name, args.preset)
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
                               bool(args.base), resumed_dtype(saved, info.world_size))
     for line in precision.notes:
         metrics.log(line)
+    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
     # The base weights' record and components; the data with the prior data alongside, and its cache (the text

@@ -118,12 +118,12 @@ def main(argv=None):
     name = run_name("pretrain", args.preset)
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
-    metrics.log(f"recipe: {args.recipe_note}")
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("pretrain"), info, bool(args.base),
                               resumed_dtype(saved, info.world_size))
     for line in precision.notes:
         metrics.log(line)
+    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)  # the same initial weights on every rank
 
     # The frozen components; the data and its cache (the text encoders then freed); the estimate; a fresh
