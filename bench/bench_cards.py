@@ -24,17 +24,24 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def card_commands(readme):
-    """(the comment, the words after `python`) of every command in the README's bash blocks under a card comment."""
+def block_commands(text):
+    """(the comment above it in its bash block, or None; the command) for every line of `text`'s bash blocks, lines
+    joined at a trailing backslash and split at &&."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         comment = None
         for line in block.replace("\\\n", " ").splitlines():
             if line.startswith("#"):
                 comment = line[1:].strip()
-            elif comment and re.search(r"\d+ GB card", comment) and line.startswith("python trainer/"):
-                commands.append((comment, shlex.split(line)[1:]))
+            else:
+                commands += [(comment, part.strip()) for part in line.split("&&")]
     return commands
+
+
+def card_commands(readme):
+    """(the comment, the words after `python`) of every command in the README's bash blocks under a card comment."""
+    return [(comment, shlex.split(command)[1:]) for comment, command in block_commands(readme)
+            if comment and re.search(r"\d+ GB card", comment) and command.startswith("python trainer/")]
 
 
 def with_folder(words, folders, data):

@@ -10,7 +10,7 @@ import shlex
 
 import pytest
 
-from bench.bench_cards import card_commands
+from bench.bench_cards import block_commands, card_commands
 from model.memory import GIB
 from tests.card_estimate import CACHE_BUILD_BYTES, card_estimate
 from tests.scripts import REPO
@@ -28,14 +28,7 @@ def read(page):
 def shown_commands(text):
     """(the comment above it in its code block or None, the command) for every `python <script>` or `torchrun`
     command in `text`: in bash code blocks (lines joined at a trailing backslash, split at &&) and in inline code."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        comment = None
-        for line in block.replace("\\\n", " ").splitlines():
-            if line.startswith("#"):
-                comment = line
-                continue
-            commands += [(comment, part.strip()) for part in line.split("&&")]
+    commands = block_commands(text)
     inline = re.sub(r"```.*?```", "", text, flags=re.S)
     commands += [(None, " ".join(span.split())) for span in re.findall(r"`((?:python|torchrun) [^`]+)`", inline)]
     return [(comment, command) for comment, command in commands if re.match(r"(python|torchrun) ", command)]
