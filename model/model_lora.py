@@ -33,6 +33,42 @@ FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adap
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and targets from
 
 
+class LoRAMatmul(torch.autograd.Function):
+    """x W^T + b + scale (x A^T) B^T in the compute dtype, its gradients written by hand, for a frozen W and b: the
+    base and the update end in one addmm, backward saves x and the small x A^T, and the adapters come cast and
+    transposed (`frozen`: W, b, A^T, B^T, scale). Autograd through three nn.Linear calls dispatched about 60
+    operations a layer a step, each a launch the GPU waits on at batch 1; this dispatches about a third of them.
+    `base`: the frozen layer's output, computed outside (W of a type mm does not take, e.g. int8), or None."""
+
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, frozen, base):
+        weight, bias, a_t, b_t, scale = frozen
+        x2 = x.reshape(-1, x.shape[-1]).to(a_t.dtype)
+        h = torch.mm(x2, a_t)  # [tokens, rank]
+        if base is None:
+            base = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+        out = torch.addmm(base.reshape(h.shape[0], -1), h, b_t, alpha=scale)
+        ctx.save_for_backward(x2, h)  # the activations: what checkpointing frees and recomputes
+        # the weights, on ctx: they outlive the step anyway, and checkpointing has nothing to recompute of them
+        ctx.frozen, ctx.scale = (weight, a_t, b_t), scale
+        ctx.x_meta, ctx.dtypes = (x.shape, x.dtype), (lora_a.dtype, lora_b.dtype)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, h = ctx.saved_tensors
+        weight, a_t, b_t = ctx.frozen
+        g = grad.reshape(-1, grad.shape[-1]).to(a_t.dtype)
+        gh = torch.mm(g, b_t.t()).mul_(ctx.scale)  # [tokens, rank]: the gradient of x A^T
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(gh, a_t.t()) if weight is None else torch.addmm(torch.mm(g, weight), gh, a_t.t())
+            grad_x = grad_x.view(ctx.x_meta[0]).to(ctx.x_meta[1])
+        grad_a = torch.mm(gh.t(), x2).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
+        grad_b = torch.mm(g.t(), h).mul_(ctx.scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_a, grad_b, None, grad if ctx.needs_input_grad[4] else None
+
+
 class LoRALinear(nn.Linear):
     """An nn.Linear (same weight and bias parameters, so the same state-dict names) plus a low-rank update."""
 
@@ -47,17 +83,47 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
+        self._cast = None  # the adapters cast for the forward: adapters_in
+        # a fused optimizer steps them without touching their version counters: the cast is forgotten once
+        # backward has their gradients, before any step
+        for weight in (self.lora_A.weight, self.lora_B.weight):
+            weight.register_post_accumulate_grad_hook(self.forget_cast)
 
     def delta_weight(self):
         """scale * B @ A in fp32: the change this adapter makes to the base weight."""
         return self.scale * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
     def forward(self, x):
-        y = super().forward(x)
         if self.merged:
-            return y
-        update = self.lora_B(self.lora_A(self.dropout(x).to(self.lora_A.weight.dtype)))
-        return y + (self.scale * update).to(y.dtype)
+            return super().forward(x)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        a_t, b_t = self.adapters_in(dtype)
+        weight, bias = self.weight, self.bias
+        plain = type(weight) in (torch.Tensor, nn.Parameter) and not (weight.requires_grad or
+                                                                     bias is not None and bias.requires_grad)
+        if plain and isinstance(self.dropout, nn.Identity):  # one matrix product for the base and the update
+            frozen = (weight.to(dtype), None if bias is None else bias.to(dtype), a_t, b_t, self.scale)
+            return LoRAMatmul.apply(x, self.lora_A.weight, self.lora_B.weight, frozen, None)
+        base = super().forward(x)  # autograd's: a trained or quantised W, or dropout on the adapter's input only
+        return LoRAMatmul.apply(self.dropout(x), self.lora_A.weight, self.lora_B.weight,
+                                (None, None, a_t, b_t, self.scale), base.to(dtype))
+
+    def forget_cast(self, _=None):
+        self._cast = None
+
+    def adapters_in(self, dtype):
+        """A^T and B^T in `dtype`, cast once for a forward and its recompute, not at every call: the cast is
+        forgotten when backward has their gradients (forget_cast) or something writes them (a load: their version
+        counters); inside a compiled graph, cast there (the compiler fuses it)."""
+        a, b = self.lora_A.weight, self.lora_B.weight
+        key = (a, b, a._version, b._version, dtype)
+        if torch.compiler.is_compiling():
+            return a.to(dtype).t(), b.to(dtype).t()
+        cached = self._cast
+        if cached is None or cached[0][0] is not a or cached[0][1] is not b or cached[0][2:] != key[2:]:
+            with torch.no_grad():
+                cached = self._cast = (key, (a.to(dtype).t(), b.to(dtype).t()))
+        return cached[1]
 
     @torch.no_grad()
     def merge(self):

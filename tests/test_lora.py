@@ -161,3 +161,72 @@ def test_a_folded_alpha_gives_every_loader_the_trained_strength(tmp_path):
     theirs.load_lora_adapter({k: v for k, v in state.items()}, prefix="transformer")  # no metadata at all
     with torch.no_grad():
         torch.testing.assert_close(theirs(*x).sample, expected, rtol=0, atol=1e-5)
+
+
+def reference_lora(layer, x, dropout=None):
+    """What a LoRA layer computes, through autograd's own nn.functional calls: W x + b + scale B (A x)."""
+    update = torch.nn.functional.linear(torch.nn.functional.linear(x if dropout is None else dropout, layer.lora_A.weight),
+                                        layer.lora_B.weight)
+    return torch.nn.functional.linear(x, layer.weight, layer.bias) + layer.scale * update
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_hand_written_lora_gradients_are_autograds(bias):
+    """LoRAMatmul (one addmm for the base and the update, gradients by hand) gives the output and the gradients of
+    input, A and B that autograd gives through three linear layers, and a trained base weight still gets its own."""
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(12, 10, bias=bias), rank=3, alpha=6)
+    layer.weight.requires_grad_(False)
+    if bias:
+        layer.bias.requires_grad_(False)
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(10, 3, generator=g))
+    x = torch.randn(2, 5, 12, generator=g, requires_grad=True)
+    params = [x, layer.lora_A.weight, layer.lora_B.weight]
+    ours = layer(x)
+    ours_grads = torch.autograd.grad(ours.square().sum(), params)
+    ref = reference_lora(layer, x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), params)
+    torch.testing.assert_close(ours, ref)
+    for mine, theirs in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(mine, theirs)
+    layer.weight.requires_grad_(True)  # a base that trains: autograd's linear, the update beside it
+    ours_w = torch.autograd.grad(layer(x).square().sum(), layer.weight)[0]
+    torch.testing.assert_close(ours_w, torch.autograd.grad(reference_lora(layer, x).square().sum(), layer.weight)[0])
+
+
+def test_lora_in_bf16_casts_its_adapters_once_and_sees_every_step():
+    """Under bf16 autocast on a bf16 base, the fp32 adapters are cast once for a forward (not at every call and
+    recompute) and their gradients come back in fp32; a fused optimizer's step, which leaves the version counters
+    alone, and a load, which does not, are both seen by the next forward."""
+    g = torch.Generator().manual_seed(0)
+    layer = LoRALinear(torch.nn.Linear(16, 8).to(torch.bfloat16).requires_grad_(False), rank=4, alpha=4)
+    with torch.no_grad():
+        layer.lora_B.weight.copy_(torch.randn(8, 4, generator=g))
+    x = torch.randn(3, 16, generator=g).to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(lora_parameters(layer), lr=0.1, fused=True)
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            first = layer(x)
+            assert layer(x) is not first and layer._cast is not None  # the second call reuses the cast
+            ref = reference_lora(layer, x)
+        torch.testing.assert_close(first.float(), ref.float(), rtol=2e-2, atol=2e-2)
+        first.float().square().sum().backward()
+        assert layer.lora_A.weight.grad.dtype == torch.float32 and layer._cast is None  # forgotten after backward
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        layer.lora_A.weight.zero_()  # a load: the update is gone at once
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_lora_dropout_reaches_the_adapter_only():
+    layer = LoRALinear(torch.nn.Linear(6, 6).requires_grad_(False), rank=2, alpha=2, dropout=0.5).train()
+    with torch.no_grad():
+        layer.lora_B.weight.fill_(1.0)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    out = layer(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(out, reference_lora(layer, x, dropout=layer.dropout(x)))
