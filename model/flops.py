@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.model_sd3light import blocks_recomputed
 from model.token_routing import TokenRouting
 
 # Dense bf16 peaks (no sparsity), FLOP/s, by the end of torch.cuda.get_device_name (an H100 PCIe or NVL, a 3090 Ti
@@ -137,7 +138,7 @@ class FlopCount:
     text_tokens: int
     routing: TokenRouting = TokenRouting()
     lora: tuple = None
-    checkpointing: bool = False
+    checkpointing: object = False  # True, False, or the number of blocks recomputed (model_sd3light.blocks_recomputed)
 
     def forward(self, batch, height, width, grad=True, routed=None):
         """Flops of one forward of `batch` samples on latents of height x width, and its backward if `grad`; routed
@@ -146,18 +147,19 @@ class FlopCount:
         p = config.patch_size
         n = (height // p) * (width // p)
         forward = backward = recompute = 0
+        recomputed = blocks_recomputed(self.checkpointing, config.num_layers)
         for i in range(config.num_layers):
             routes = (grad if routed is None else routed) and self.routing.routes(i)
             for product in block_products(config, i, self.routing.kept(n) if routes else n, text):
                 f = product.flops + adapter_forward(product, lora)
-                forward, recompute = forward + f, recompute + f
+                forward, recompute = forward + f, recompute + (f if i < recomputed else 0)
                 backward += backward_flops(product, lora)
         for product in outer_products(config, n, text):
             forward += product.flops + adapter_forward(product, lora)
             backward += backward_flops(product, lora)
         if not grad:
             return Flops(batch * forward, 0.0)
-        return Flops(batch * forward, batch * backward, batch * recompute if self.checkpointing else 0.0)
+        return Flops(batch * forward, batch * backward, batch * recompute)
 
 
 def training_flops_per_sample(config, height, width, text_len):

@@ -10,9 +10,10 @@ and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a
     EMA          4 bytes per trained parameter, unless --ema_device cpu keeps it off the GPU
     sharded      (--fsdp 1) weights, gradients, optimizer and EMA divided over the shard group, plus one block
                  gathered whole; rank 0 holds the whole weights in host memory while it broadcasts them
-    activations  what backward keeps, per block about ACTIVATION_WORDS values per token and width (one block's
-                 with --gradient_checkpointing 1, plus each block's input), in the compute dtype but for the
-                 layer norms' outputs, fp32 under CUDA autocast
+    activations  what backward keeps, per block about ACTIVATION_WORDS values per token and width (for the blocks
+                 --gradient_checkpointing recomputes only their inputs, and one block's at a time), in the compute
+                 dtype but for the layer norms' outputs, fp32 under CUDA autocast; --gradient_checkpointing auto
+                 recomputes the fewest blocks for the whole to fit AUTO_SHARE of the device
     components   the VAE and text encoders as loaded (the text encoders are freed once training reads the cache)
     save         about two of the largest tensor, on a CPU: a save writes and reads back a tensor at a time
     runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
@@ -26,12 +27,13 @@ import torch
 
 from model.components import text_tokens
 from model.loading import meta_model
-from model.model_sd3light import count_parameters
+from model.model_sd3light import blocks_recomputed, count_parameters
 
 GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
 CUDA_FP32_WORDS = 2  # of them, the two layer norms' outputs the modulation keeps: fp32 under CUDA autocast (CPU: bf16)
 RUNTIME = {"cpu": 0.6 * GIB, "cuda": 0.8 * GIB}
+AUTO_SHARE = 0.8  # of the device's memory, what --gradient_checkpointing auto plans to fill: room for the estimate's error
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06}  # per trained parameter (muon: from the matrices)
 
 
@@ -48,13 +50,14 @@ def kept_value_bytes(compute, device_type):
 
 
 def activation_bytes(config, batch, resolution, downscale, text_tokens, checkpointing, compute_bytes):
-    """What one micro-batch's forward keeps for backward, in bytes (`compute_bytes`: kept_value_bytes)."""
+    """What one micro-batch's forward keeps for backward, in bytes (`compute_bytes`: kept_value_bytes), with
+    `checkpointing` blocks recomputed (True, False or a number: model_sd3light.blocks_recomputed)."""
     side = resolution // downscale // config.patch_size
     tokens = batch * (side * side + text_tokens)
     per_block = ACTIVATION_WORDS * tokens * config.inner_dim * compute_bytes
-    if checkpointing:
-        return config.num_layers * 2 * tokens * config.inner_dim * 4 + per_block
-    return config.num_layers * per_block
+    recomputed = blocks_recomputed(checkpointing, config.num_layers)
+    inputs = recomputed * 2 * tokens * config.inner_dim * 4  # a recomputed block keeps its inputs only
+    return inputs + (per_block if recomputed else 0) + (config.num_layers - recomputed) * per_block
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,7 @@ class MemoryPlan:
     ema_device: str
     batch_size: int
     resolution: int
-    checkpointing: bool
+    checkpointing: object  # --gradient_checkpointing: True, False, "auto" (auto_checkpointing), or a block count
     trained_dtype: str = "fp32"  # --trained_dtype: what trained weights, gradients (and AdamW's moments) are held in
     step_in_backward: bool = False  # --step_in_backward 1: no more than one gradient at a time
 
@@ -95,6 +98,38 @@ def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, 
     return parts
 
 
+def auto_checkpointing(config, plan, components, precision, info):
+    """`plan` with --gradient_checkpointing auto resolved, as estimate_lines weighs it: the fewest blocks recomputed
+    in backward (the first ones) for the estimate to fit AUTO_SHARE of the device's memory, every block where
+    nothing less fits. Recomputing a block costs a second forward of it: at batch 1 on a large GPU, a step with
+    none recomputed took half the time. A plan without auto comes back as it is."""
+    if plan.checkpointing != "auto":
+        return plan
+    device = info.device
+    shards = info.mesh.shape[-1] if info.sharded else 1
+    fixed = sum(estimate(config, plan, precision.frozen, shards, 0, module_bytes(components), device.type).values())
+    blocks = fewest_recomputed(config, plan, AUTO_SHARE * device_memory(device) - fixed,
+                               (components.downscale, text_tokens(components)),
+                               kept_value_bytes(precision.compute, device.type))
+    return replace(plan, checkpointing=blocks)
+
+
+def fewest_recomputed(config, plan, room, latent, value_bytes):
+    """The fewest blocks recomputed for `plan`'s micro-batch to keep at most `room` bytes of activations (`latent`:
+    the components' downscale and text tokens; `value_bytes`: kept_value_bytes), or True (every block)."""
+    for blocks in range(config.num_layers + 1):
+        if activation_bytes(config, plan.batch_size, plan.resolution, *latent, blocks, value_bytes) <= room:
+            return blocks
+    return True
+
+
+def largest_batch(config, plan, room, latent, value_bytes, limit=64):
+    """The largest micro-batch (up to `limit`) whose activations, every block recomputed, fit `room` bytes."""
+    fits = [batch for batch in range(1, limit + 1)
+            if activation_bytes(config, batch, plan.resolution, *latent, True, value_bytes) <= room]
+    return max(fits, default=0)
+
+
 def estimate_lines(config, plan, components, precision, info):
     """The estimate of one process's peak for `plan` (MemoryPlan) held and computed as `precision`
     (model/precision.Precision) says, on info's processes and device (sharded over the mesh's last dimension),
@@ -109,6 +144,13 @@ def estimate_lines(config, plan, components, precision, info):
     available = device_memory(device)
     line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
+    line += f"; blocks recomputed in backward: {blocks_recomputed(plan.checkpointing, config.num_layers)} of " \
+        f"{config.num_layers}"
+    if device.type == "cuda":  # what a faster run could take: a larger micro-batch
+        room = AUTO_SHARE * available - (sum(parts.values()) - parts["activations"])
+        largest = largest_batch(config, plan, room, (components.downscale, text),
+                                kept_value_bytes(precision.compute, device.type))
+        line += f"; the largest micro-batch that fits {AUTO_SHARE:.0%} of it: {largest} recomputing every block"
     options = levers(plan, shards) if warning else []
     if options:  # a full fine-tune: which of its levers would make it fit
         fitting = [lever for lever, plan_with, shards_with in options
@@ -154,7 +196,7 @@ def peak_rss():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-LEVERS = ("--gradient_checkpointing 1", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit",
+LEVERS = ("--gradient_checkpointing 1 (or auto)", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit",
           "--trained_dtype bf16", "--step_in_backward 1", "--fsdp 1")
 
 

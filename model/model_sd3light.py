@@ -269,16 +269,15 @@ class RMSNorm(nn.Module):
 
 
 class AdaLNModulation(nn.Module):
-    """Linear(D, n*D) of SiLU(conditioning): n shift/scale/gate vectors, each [B, 1, D]. It takes the SiLU already
-    applied (`cond`): the model computes it once for its 49 modulations, not in each."""
+    """SiLU -> Linear(D, n*D): n shift/scale/gate vectors from the conditioning, each [B, 1, D]."""
 
     def __init__(self, dim, n):
         super().__init__()
         self.linear = nn.Linear(dim, n * dim)
         self.n = n
 
-    def forward(self, cond):
-        return self.linear(cond).unsqueeze(1).chunk(self.n, dim=2)
+    def forward(self, cond, dtype):
+        return self.linear(F.silu(cond).to(dtype)).unsqueeze(1).chunk(self.n, dim=2)
 
 
 class Attention(nn.Module):
@@ -382,12 +381,11 @@ class JointTransformerBlock(nn.Module):
         self.ff = FeedForward(dim)
         self.ff_context = None if context_pre_only else FeedForward(dim)
 
-    def forward(self, x, context, cond):
-        """cond: SiLU of the conditioning vector, [B, D] in x's dtype (SD3Light.forward)."""
-        mod = self.norm1(cond)
+    def forward(self, x, context, temb):
+        mod = self.norm1(temb, x.dtype)
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod[:6]
         x_norm = layer_norm(x)
-        context_mod = self.norm1_context(cond)
+        context_mod = self.norm1_context(temb, context.dtype)
         if self.context_pre_only:
             scale_c, shift_c = context_mod  # continuous adaLN (no gates): scale comes first
             c_norm = modulate(layer_norm(context), shift_c, scale_c)
@@ -416,12 +414,21 @@ class StateDictMismatchError(ValueError):
     pass
 
 
+def blocks_recomputed(checkpointing, num_layers):
+    """How many blocks, the first ones, gradient checkpointing recomputes in backward: `checkpointing` True = every
+    block, False none, a number that many (--gradient_checkpointing auto: what the memory needs, model/memory.py)."""
+    if checkpointing is True or checkpointing is False:
+        return num_layers if checkpointing else 0
+    return max(0, min(int(checkpointing), num_layers))
+
+
 class SD3Light(nn.Module):
     def __init__(self, config, gradient_checkpointing=False):
         super().__init__()
         self.config = config
         D = config.inner_dim
-        self.gradient_checkpointing = gradient_checkpointing  # recompute each block in backward to save memory
+        # recompute blocks in backward to save memory: True every block, False none, a number the first that many
+        self.gradient_checkpointing = gradient_checkpointing
         self.pos_embed = PatchEmbed(config)
         self.time_text_embed = TimeTextEmbed(config)
         self.context_embedder = nn.Linear(config.joint_attention_dim, config.caption_projection_dim)
@@ -476,18 +483,19 @@ class SD3Light(nn.Module):
         x = self.pos_embed(hidden_states)
         temb = self.time_text_embed(timestep, pooled_projections)
         context = self.context_embedder(encoder_hidden_states)
-        cond = F.silu(temb).to(x.dtype)  # what every adaLN modulation reads
+        recomputed = blocks_recomputed(self.gradient_checkpointing, len(self.transformer_blocks)) \
+            if torch.is_grad_enabled() else 0
         for i, block in enumerate(self.transformer_blocks):
             if route is not None and i == route.first:  # set the routed tokens aside
                 everything, index = x, route.keep[..., None].expand(-1, -1, x.shape[-1])
                 x = everything.gather(1, index)
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                x, context = checkpoint(block, x, context, cond, use_reentrant=False)
+            if i < recomputed:
+                x, context = checkpoint(block, x, context, temb, use_reentrant=False)
             else:
-                x, context = block(x, context, cond)
+                x, context = block(x, context, temb)
             if route is not None and i == route.last:  # and put them back, unchanged, beside the kept ones
                 x = everything.scatter(1, index, x)
-        scale, shift = self.norm_out(cond)
+        scale, shift = self.norm_out(temb, x.dtype)
         x = self.proj_out(modulate(layer_norm(x), shift, scale))
         # unpatchify: [B, h*w, p*p*C] -> [B, C, h*p, w*p]
         h, w, C = H // p, W // p, self.config.output_channels

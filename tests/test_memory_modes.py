@@ -140,3 +140,40 @@ def test_the_estimate_counts_the_modes_and_names_the_levers_that_would_fit(monke
     line, warning = memory.estimate_lines(config, plan, Components(), Precision(), DistInfo())
     assert "--trained_dtype bf16 --optimizer adamw8bit --step_in_backward 1" in warning.split("would fit:")[1]
     assert "--optimizer adamw8bit;" not in warning  # with the fp32 EMA it would not fit alone
+
+
+def test_the_estimate_names_the_largest_micro_batch_that_fits():
+    """The estimate line on a GPU names the largest micro-batch whose activations fit, every block recomputed."""
+    import model.memory as memory
+    from model.model_sd3light import preset_config
+
+    config = preset_config("sd3.5-medium")
+    plan = memory.MemoryPlan((1,), "adamw", False, "auto", 1, 1024, True)
+    room = memory.activation_bytes(config, 5, 1024, 8, 333, True, 2)
+    assert memory.largest_batch(config, plan, room, (8, 333), 2) == 5
+    assert memory.largest_batch(config, plan, room - 1, (8, 333), 2) == 4
+    assert memory.largest_batch(config, plan, 0, (8, 333), 2) == 0
+
+
+def test_a_gpu_runs_estimate_line_names_its_blocks_recomputed_and_largest_batch(monkeypatch):
+    import model.memory as memory
+    from model.model_sd3light import preset_config
+    from model.precision import Precision
+    from trainer.distributed import DistInfo
+
+    class Components:
+        spec, t5_max_length, downscale = {"kind": "sd3"}, 256, 8
+
+        def parameters(self):
+            return []
+
+        buffers = parameters
+
+    monkeypatch.setattr(memory, "device_memory", lambda device: 24 * memory.GIB)
+    config, gpu = preset_config("sd3.5-medium"), DistInfo(device=torch.device("cuda"))
+    plan = memory.MemoryPlan((9_437_184,), "adamw", False, "auto", 1, 1024, "auto")
+    plan = memory.auto_checkpointing(config, plan, Components(), Precision("bf16", "bf16"), gpu)
+    assert plan.checkpointing == 0  # an SD3.5-Medium LoRA at batch 1 on 24 GB: nothing recomputed
+    line, = memory.estimate_lines(config, plan, Components(), Precision("bf16", "bf16"), gpu)
+    largest = int(line.split("fits 80% of it: ")[1].split()[0])
+    assert "blocks recomputed in backward: 0 of 24" in line and 4 <= largest <= 16, line

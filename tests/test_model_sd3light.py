@@ -256,10 +256,11 @@ def test_flop_formula_equals_torch_flop_counter(name, monkeypatch):
 # ---- training mechanics
 
 
-def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+@pytest.mark.parametrize("recomputed", [True, 2], ids=["every block", "the first two"])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(recomputed):
     config = CONFIGS["sd3.5-medium-like"]
     plain = randomise(SD3Light(config), seed=6)
-    ckpt = SD3Light(config, gradient_checkpointing=True)
+    ckpt = SD3Light(config, gradient_checkpointing=recomputed)
     ckpt.load_state_dict(plain.state_dict())
     x = inputs(config, (3, 3))
     for model in (plain, ckpt):

@@ -82,7 +82,7 @@ def test_every_command_the_readme_shows_parses(comment, command, monkeypatch):
         # LoRA recipe was 8% under what an H100 allocated), and while the cache is built before that
         stage = importlib.import_module(script[:-len(".py")].replace("/", "."))
         card_bytes = min(int(n) for n in card) * GIB
-        assert card_estimate(stage, args) <= 0.9 * card_bytes and CACHE_BUILD_BYTES <= card_bytes, command
+        assert card_estimate(stage, args, card_bytes) <= 0.9 * card_bytes and CACHE_BUILD_BYTES <= card_bytes, command
 
 
 def test_the_readme_is_short_and_starts_with_the_gpu_quickstart():

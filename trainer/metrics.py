@@ -33,7 +33,7 @@ class Throughput:
         """The count for `model` (its config and gradient checkpointing) trained on `components`, routed as
         `routing` says, with LoRA's (rank, target suffixes) or None, computing in `dtype` (None: fp32) on `device`
         -> (Throughput, the line that says where the peak comes from)."""
-        count = FlopCount(model.config, text_tokens(components), routing, lora, bool(model.gradient_checkpointing))
+        count = FlopCount(model.config, text_tokens(components), routing, lora, model.gradient_checkpointing)
         peak, source = peak_flops(device, dtype or torch.float32)
         return cls(count, components.downscale, peak), \
             f"MFU = model FLOPs a second / {peak / 1e12:.3g} TFLOP/s ({source})"

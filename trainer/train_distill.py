@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
@@ -104,12 +104,13 @@ def parse_args(argv=None):
     # (configs/SD35/sd35_senseflow.yaml, senseflow/trainer/trainer_sd35_senseflow.py): learning_rate 1e-6 for both
     # networks and no weight decay (lr_max, weight_decay), real_guidance 4 (real_guidance_scale), the generator
     # every 10th step (GD = 10), 4 generator steps, batch 1 at 1024 px, grad_clip 1.0; no EMA, as tianweiy/DMD2
-    # trains SD and SDXL (it creates none), which also leaves 4 bytes a parameter off the GPU; gradient
-    # checkpointing to fit the two trained copies. Left the demo's: the warmup (SenseFlow warms up over 500 steps
+    # trains SD and SDXL (it creates none), which also leaves 4 bytes a parameter off the GPU; as many
+    # blocks recomputed in backward as the two trained copies need (auto). Left the demo's: the warmup (SenseFlow warms up over 500 steps
     # of a far longer run), the guidance interval and the run's length. Its GAN term (gan_weight 0.1) stays off:
     # our head does not shard, and the two trained copies of a published model need --fsdp 1
     parser.set_real_model_defaults(learning_rate=1e-6, weight_decay=0.0, real_guidance=4.0, gen_update_ratio=10,
-                                   ema_decay=0.0, batch_size=1, resolution=1024, gradient_checkpointing=1)
+                                   ema_decay=0.0, batch_size=1, resolution=1024,
+                                   gradient_checkpointing="auto")
     return parser.parse_args(argv)
 
 
@@ -146,13 +147,14 @@ def distill_recipe(args, teacher, autocast):
                                                         args.route_ratio, args.route_first, args.route_last))
 
 
-def networks(args, source, info, precision, log):
+def networks(args, source, info, precision, log, checkpointing):
     """Three copies of the teacher's weights: the teacher frozen (in --frozen_dtype), the generator and the fake
-    score trained; the GAN head if --gan_weight; each under DDP or FSDP (the teacher sharded, not wrapped)."""
+    score trained; the GAN head if --gan_weight; each under DDP or FSDP (the teacher sharded, not wrapped), each
+    recomputing `checkpointing` blocks in backward (the memory plan's)."""
     teacher, generator, fake = (load_network(source, role, precision.frozen, info) for role in
                                 ("frozen", "trained", "trained"))
     for net in (teacher, generator, fake):
-        net.gradient_checkpointing = bool(args.gradient_checkpointing)
+        net.gradient_checkpointing = checkpointing
     log_peak(info, "the weights loaded", log)
     head = GANHead(fake.config.inner_dim).to(info.device) if args.gan_weight > 0 else None
     return Networks(data_parallel(teacher.eval(), info, args.compile, precision.autocast), generator,
@@ -194,10 +196,11 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,
-                      args.batch_size, args.resolution, bool(args.gradient_checkpointing))
+                      args.batch_size, args.resolution, args.gradient_checkpointing)
+    plan = auto_checkpointing(config, plan, components, precision, info)
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
-    nets = networks(args, source, info, precision, metrics.log)
+    nets = networks(args, source, info, precision, metrics.log, plan.checkpointing)
 
     # AdamW for the generator, the fake score and the GAN head; the generator's EMA is what is exported
     trained = {"generator": nets.generator, "fake_score": nets.fake, "gan_head": nets.head}

@@ -36,7 +36,7 @@ from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
 from dataset.training_data import DataSettings, validation_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
-from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
@@ -119,10 +119,10 @@ def parse_args(argv=None):
     #   dpo_beta 100 (config.train.beta), adapters of rank 32 and alpha 64 (LoraConfig r=32, lora_alpha=64: a
     #   scale of 2; with another --lora_rank give --lora_alpha too, or the scale changes),
     #   learning_rate 3e-4, weight_decay 1e-4, grad_clip 1.0, constant rate, resolution 512, 24 pairs a step
-    #   (train_batch_size 24; here 4 a micro-batch and 6 micro-batches, with gradient checkpointing, to fit a card)
+    #   (train_batch_size 24; here 4 a micro-batch and 6 micro-batches, recomputing what blocks the card needs)
     parser.set_real_model_defaults(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
                                    weight_decay=1e-4, resolution=512, batch_size=4, accumulation_steps=6,
-                                   gradient_checkpointing=1)
+                                   gradient_checkpointing="auto")
     return parser.parse_args(argv)
 
 
@@ -155,9 +155,10 @@ def pair_data(args, components, config, rounds, info, log):
     return ready_data(settings, data, components, config, info, args.batch_size, log)
 
 
-def policy(args, source, precision, info):
+def policy(args, source, precision, info, checkpointing):
     """The policy and the frozen reference (in --frozen_dtype): a copy of the starting weights; or with --lora_rank
-    the base frozen with adapters on it, and no copy (the reference is the policy with them off)."""
+    the base frozen with adapters on it, and no copy (the reference is the policy with them off); each
+    recomputing `checkpointing` blocks in backward (the memory plan's)."""
     if args.lora_rank:
         model = load_network(source, "frozen", precision.frozen, info)
         apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
@@ -166,7 +167,7 @@ def policy(args, source, precision, info):
         model, reference = (load_network(source, role, precision.frozen, info) for role in ("trained", "frozen"))
     for net in (model, reference):
         if net is not None:
-            net.gradient_checkpointing = bool(args.gradient_checkpointing)
+            net.gradient_checkpointing = checkpointing
     return model, reference
 
 
@@ -203,10 +204,11 @@ def main(argv=None):
         return None
     plan = MemoryPlan((adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank
                       else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing))
+                      args.resolution, args.gradient_checkpointing)
+    plan = auto_checkpointing(config, plan, components, precision, info)
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
-    model, reference = policy(args, source, precision, info)
+    model, reference = policy(args, source, precision, info, plan.checkpointing)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
                 f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "

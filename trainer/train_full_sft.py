@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
@@ -89,13 +89,14 @@ def parse_args(argv=None):
     #   batch_size 1, accumulation_steps 4, constant rate without warmup, max_steps 500, resolution 1024:
     #     diffusers' examples/dreambooth/README_sd3.md full fine-tune command (train_dreambooth_sd3.py);
     #     weight_decay 1e-4: its --adam_weight_decay
-    #   gradient_checkpointing 1: what fits 1024 px on 24 GB (without it the estimate is 21 GiB)
+    #   gradient_checkpointing auto: as many blocks recomputed as 1024 px needs on the card (without any the estimate
+    #     is 21 GiB; on 24 GB some, on 16 GB all)
     #   logit-normal sigmas (0, 1) shifted by 3: as the LoRA stage (diffusers draws timesteps from the model's
     #     scheduler, shift 3.0)
     #   export_single_file: the result in ComfyUI's Load Diffusion Model and Forge, beside the diffusers folder
     parser.set_real_model_defaults(trained_dtype="bf16", optimizer="adamw8bit", ema_decay=0.0, learning_rate=1e-5,
                                    batch_size=1, accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0,
-                                   max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing=1,
+                                   max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing="auto",
                                    train_shift=3.0, export_single_file=True)
     return parser.parse_args(argv)
 
@@ -115,7 +116,7 @@ def memory_plan(args):
     """What the memory estimate weighs (model/memory.py): one trained transformer, in --trained_dtype, its
     optimizer, the EMA, one micro-batch, and whether the step is fused into backward."""
     return MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing), args.trained_dtype,
+                      args.resolution, args.gradient_checkpointing, args.trained_dtype,
                       bool(args.step_in_backward))
 
 
@@ -148,10 +149,11 @@ def main(argv=None):
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    for line in estimate_lines(config, memory_plan(args), components, precision, info):
+    plan = auto_checkpointing(config, memory_plan(args), components, precision, info)
+    for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
     model = load_network(source, "trained", precision.frozen, info, precision.trained)
-    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"starting from {source['manifest']} (step {source['step']}, predicts {prediction})")
 

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import CaptionOptions  # noqa: E402
 from dataset.training_data import DataSettings, training_dataset  # noqa: E402
 from model.errors import run_main  # noqa: E402
-from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
 )
@@ -104,13 +104,15 @@ def parse_args(argv=None):
     #   batch_size 1, accumulation_steps 4, constant rate without warmup, max_steps 500: diffusers'
     #     examples/dreambooth/README_sd3.md LoRA command (train_batch_size=1, gradient_accumulation_steps=4,
     #     lr_scheduler constant, lr_warmup_steps 0, max_train_steps 500); weight_decay 1e-4: its --adam_weight_decay
-    #   gradient_checkpointing 1, resolution 1024: diffusers' and SimpleTuner's SD3 examples (1024 px, SD3.5's own)
+    #   resolution 1024: diffusers' and SimpleTuner's SD3 examples (1024 px, SD3.5's own); they checkpoint every
+    #     block, auto recomputes only as many as the card needs (none at batch 1 on 16 GB and up: half the step)
     #   logit-normal sigmas (0, 1) shifted by 3: diffusers' --weighting_scheme logit_normal draws its timesteps
     #     from the model's scheduler, shift 3.0 in SD3.5's scheduler_config (SimpleTuner's flow_schedule_shift 3)
     #   sample_interval 100: no anchor; a grid every fifth of the run, to watch it learn
     parser.set_real_model_defaults(learning_rate=1e-4, lora_rank=16, batch_size=1, accumulation_steps=4,
                                    warmup_steps=0, min_lr_ratio=1.0, max_steps=500, weight_decay=1e-4,
-                                   gradient_checkpointing=1, resolution=1024, train_shift=3.0, sample_interval=100)
+                                   gradient_checkpointing="auto", resolution=1024, train_shift=3.0,
+                                   sample_interval=100)
     return parser.parse_args(argv)
 
 
@@ -142,7 +144,7 @@ def memory_plan(args, config):
     --lora_targets: one line), AdamW on them, the EMA and one micro-batch."""
     adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)
     return MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
-                      bool(args.gradient_checkpointing))
+                      args.gradient_checkpointing)
 
 
 def main(argv=None):
@@ -174,11 +176,12 @@ def main(argv=None):
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    for line in estimate_lines(config, memory_plan(args, config), components, precision, info):
+    plan = auto_checkpointing(config, memory_plan(args, config), components, precision, info)
+    for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
     model = load_network(source, "frozen", precision.frozen, info)
     apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "

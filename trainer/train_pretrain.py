@@ -29,7 +29,7 @@ from dataset.training_data import DataSettings  # noqa: E402
 from model.components import new_components, transformer_widths  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.loading import meta_model  # noqa: E402
-from model.memory import MemoryPlan, estimate_lines  # noqa: E402
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
 from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
@@ -139,12 +139,13 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return 0
     plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, bool(args.gradient_checkpointing))
+                      args.resolution, args.gradient_checkpointing)
+    plan = auto_checkpointing(config, plan, components, precision, info)
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
     # rank 0 draws the weights (on the CPU in a sharded run, whose other ranks hold none: rank 0's fill the shards)
     model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.load_device)
-    model.gradient_checkpointing = bool(args.gradient_checkpointing)
+    model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
 
     # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains; an EMA follows them
