@@ -262,7 +262,7 @@ def table(rows):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="*", default=None, choices=list(CONFIGS), help="these configurations")
     parser.add_argument("--resolution", type=int, default=None, help="image side (default: 1024 on a GPU, 128 on "
@@ -272,7 +272,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=600, help="seconds a configuration may take")
     parser.add_argument("--json", default=None, help="also write the rows here")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child process: this configuration
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     resolution = args.resolution or (1024 if torch.cuda.is_available() else 128)
     if args.one:
         print("ROW " + json.dumps(measure(CONFIGS[args.one], resolution, args.steps, args.cpu_width)))

@@ -101,7 +101,7 @@ def test_the_fine_tunes_train_compiled_as_eager_and_resume_across_it(tmp_path, p
 def test_preference_and_distillation_train_compiled(tmp_path, pretrained, compiler, monkeypatch):
     monkeypatch.setattr(preference, "score_images", brightness_scores)
     for module, name, key, extra in (
-            (train_dpo, "lora_dpo_tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3",
+            (train_dpo, "lora_dpo_tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "2", "--pair_images", "2",
                                                  "--pair_refresh", "2", "--pair_sample_steps", "2", "--lora_rank",
                                                  "4", "--cache_dir", str(tmp_path / "cache"), *QUIET]),
             (train_distill, "distill_tiny", "fake_score", ["--gen_steps", "2", "--gen_update_ratio", "2",
