@@ -27,7 +27,7 @@ import torch
 
 from model.components import text_tokens
 from model.loading import meta_model
-from model.model_sd3light import blocks_recomputed, count_parameters
+from model.model_sd3light import blocks_recomputed
 
 GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
@@ -80,7 +80,8 @@ class MemoryPlan:
 def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
     """-> {part: bytes} of one process's peak, for `plan` (MemoryPlan) with transformers of `config`, its frozen
     networks held in `frozen_dtype`, its state sharded over `shards` processes."""
-    params, largest = count_parameters(config), max(p.numel() for p in meta_model(config).parameters())
+    sizes = [p.numel() for p in meta_model(config).parameters()]  # one model on the meta device: no memory
+    params, largest = sum(sizes), max(sizes)
     trained = [params if net == "trained" else 0 if net == "frozen" else net for net in plan.networks]
     frozen = sum(params for net in plan.networks if net != "trained") * frozen_bytes(frozen_dtype)
     ema_on_device = plan.ema and (device_type == "cpu" or plan.ema_device != "cpu")

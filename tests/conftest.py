@@ -197,6 +197,16 @@ class Fetching(torch.utils.data.Dataset):
         return self.data[i]
 
 
+def compiled_as_captured(monkeypatch):
+    """--compile 1 from here on with torch.compile's "eager" backend: each block goes through Dynamo's capture as in
+    a GPU run and computes bitwise what eager does, so a run resumed compiled is compared bitwise with an eager one
+    (inductor's own code: test_train's compiled pretraining) -> Dynamo's counters, to see that it captured."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    return torch._dynamo.utils.counters
+
+
 def run_stage(module, argv, monkeypatch, signal_at=None):
     """Run a stage script's main() in this process (its datasets wrapped to signal at a fetch)."""
     run_in_process(module, argv, monkeypatch, SignalAt(signal_at).wrap(dataset.training_data.build_dataset))

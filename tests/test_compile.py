@@ -1,41 +1,28 @@
-"""--compile 1 (each transformer block compiled) in every stage, and the compiled step computing what the eager step
-does: LoRA's hand-written layers, the full fine-tune, a routed run, some blocks recomputed in backward. Here the
-compiler is Dynamo with AOT autograd's eager backend: it captures each block and its backward as inductor gets
-them, at a fraction of the compile time; inductor's CPU code itself is checked by test_train's compiled
-pretraining, which also resumes a compiled run eagerly."""
+"""The compiled step computes what the eager step does (--compile 1: each transformer block compiled): LoRA's
+hand-written layers, the full fine-tune, a routed run, some blocks recomputed in backward. The compiler here is
+Dynamo with AOT autograd's eager backend: it captures each block and its backward as inductor gets them, at a
+fraction of the compile time. Every stage's bitwise resume test resumes with --compile 1 (test_finetune,
+test_dpo, test_distill: Dynamo's capture run eagerly); inductor's CPU code is checked by test_train's compiled
+pretraining, which resumes eagerly."""
 import functools
-import json
-import math
 
 import pytest
 import torch
 
-import trainer.train_distill as train_distill
-import trainer.train_dpo as train_dpo
-import trainer.train_full_sft as train_full_sft
-import trainer.train_lora as train_lora
 from model.model_lora import apply_lora, lora_parameters
 from model.model_sd3light import SD3Light
 from model.token_routing import TokenRouting
-from trainer import preference
-from tests.conftest import CONFIGS, QUIET, inputs, randomise, run_stage
-from tests.scripts import run_in_process
-from tests.test_dpo import brightness_scores
+from tests.conftest import CONFIGS, inputs, randomise
 
 
-@pytest.fixture(params=["aot_eager"])
-def compiler(request, monkeypatch):
-    """torch.compile with the backend `request.param` for the test -> Dynamo's counters (its graphs)."""
+@pytest.fixture
+def compiler(monkeypatch):
+    """torch.compile with the aot_eager backend for the test -> Dynamo's counters (its graphs)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=request.param))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     yield torch._dynamo.utils.counters
     torch._dynamo.reset()
-
-
-# the stages' runs: Dynamo's capture of their blocks alone, which is what differs from stage to stage (the step
-# through AOT autograd is the test above's)
-stage_compiler = pytest.mark.parametrize("compiler", ["eager"], indirect=True)
 
 
 @pytest.mark.parametrize("kind", ["full", "routed lora"])
@@ -68,47 +55,3 @@ def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
     for (name, p), q in zip(trained, [q for q in compiled.parameters() if q.requires_grad]):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiler["stats"]["unique_graphs"] >= 3  # a block, the dual-attention one, the last: compiled
-
-
-def losses(path, key="loss"):
-    with open(path) as f:
-        return [json.loads(line)[key] for line in f]
-
-
-@stage_compiler
-def test_the_fine_tunes_train_compiled_as_eager_and_resume_across_it(tmp_path, pretrained, compiler, monkeypatch):
-    """LoRA with --compile 1 takes the eager run's steps, and its run resumes eagerly; a full fine-tune started
-    eagerly resumes compiled."""
-    def argv(module, run, *extra):
-        data = ["--num_samples", "8"] + (["--prior_samples", "8"] if module is train_lora else [])
-        return ["--from_weight", pretrained, *data, "--batch_size", "2", "--save_interval", "1", "--sample_interval",
-                "0", *QUIET, "--out_dir", str(tmp_path / run / "out"), "--save_dir", str(tmp_path / run / "ckpt"),
-                *extra]
-
-    run_stage(train_lora, argv(train_lora, "eager", "--max_steps", "3"), monkeypatch)
-    run_stage(train_lora, argv(train_lora, "compiled", "--max_steps", "2", "--compile", "1"), monkeypatch)
-    run_stage(train_lora, argv(train_lora, "compiled", "--max_steps", "3", "--from_resume", "1"), monkeypatch)
-    eager, compiled = (losses(tmp_path / run / "out" / "lora_demo_tiny_metrics.jsonl") for run in ("eager", "compiled"))
-    assert len(compiled) == 3 and compiled == pytest.approx(eager, rel=1e-4, abs=1e-6)
-    run_stage(train_full_sft, argv(train_full_sft, "sft", "--max_steps", "1"), monkeypatch)
-    run_stage(train_full_sft, argv(train_full_sft, "sft", "--max_steps", "2", "--from_resume", "1", "--compile", "1"),
-              monkeypatch)
-    assert all(map(math.isfinite, losses(tmp_path / "sft" / "out" / "sft_tiny_metrics.jsonl")))
-    assert compiler["stats"]["unique_graphs"] >= 4  # the LoRA run's blocks, then the full fine-tune's
-
-
-@stage_compiler
-def test_preference_and_distillation_train_compiled(tmp_path, pretrained, compiler, monkeypatch):
-    monkeypatch.setattr(preference, "score_images", brightness_scores)
-    for module, name, key, extra in (
-            (train_dpo, "lora_dpo_tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "2", "--pair_images", "2",
-                                                 "--pair_refresh", "2", "--pair_sample_steps", "2", "--lora_rank",
-                                                 "4", "--cache_dir", str(tmp_path / "cache"), *QUIET]),
-            (train_distill, "distill_tiny", "fake_score", ["--gen_steps", "2", "--gen_update_ratio", "2",
-                                                           "--batch_size", "2", "--num_samples", "8",
-                                                           "--warmup_steps", "2"])):
-        out = tmp_path / name
-        run_in_process(module, ["--from_weight", pretrained, *extra, "--max_steps", "2", "--sample_interval",
-                                "0", "--compile", "1", "--out_dir", str(out), "--save_dir", str(out)], monkeypatch)
-        assert [math.isfinite(loss) for loss in losses(out / f"{name}_metrics.jsonl", key)] == [True, True], name
-    assert compiler["stats"]["unique_graphs"] >= 2

@@ -203,8 +203,8 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = MemoryPlan((adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank
-                      else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size,
-                      args.resolution, args.gradient_checkpointing)
+                      else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device,
+                      2 * args.batch_size, args.resolution, args.gradient_checkpointing)  # a pair: two images forward
     plan = auto_checkpointing(config, plan, components, precision, info)
     for line in estimate_lines(config, plan, components, precision, info):
         metrics.log(line)
