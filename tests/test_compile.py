@@ -1,18 +1,25 @@
 """The compiled step computes what the eager step does (--compile 1: each transformer block compiled): LoRA's
 hand-written layers, the full fine-tune, a routed run, some blocks recomputed in backward. The compiler here is
 Dynamo with AOT autograd's eager backend: it captures each block and its backward as inductor gets them, at a
-fraction of the compile time. Every stage's bitwise resume test resumes with --compile 1 (test_finetune,
-test_dpo, test_distill: Dynamo's capture run eagerly); inductor's CPU code is checked by test_train's compiled
-pretraining, which resumes eagerly."""
+fraction of the compile time. Each fine-tune stage trains with --compile 1; inductor's CPU code is checked by
+test_train's compiled pretraining, which also resumes a compiled run eagerly."""
 import functools
+import json
 
 import pytest
 import torch
 
+import trainer.train_distill as train_distill
+import trainer.train_dpo as train_dpo
+import trainer.train_full_sft as train_full_sft
+import trainer.train_lora as train_lora
 from model.model_lora import apply_lora, lora_parameters
 from model.model_sd3light import SD3Light
 from model.token_routing import TokenRouting
-from tests.conftest import CONFIGS, inputs, randomise
+from trainer import preference
+from tests.conftest import CONFIGS, QUIET, compiled_as_captured, inputs, randomise
+from tests.scripts import run_in_process
+from tests.test_dpo import brightness_scores
 
 
 @pytest.fixture
@@ -55,3 +62,29 @@ def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
     for (name, p), q in zip(trained, [q for q in compiled.parameters() if q.requires_grad]):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiler["stats"]["unique_graphs"] >= 3  # a block, the dual-attention one, the last: compiled
+
+
+def test_every_fine_tune_stage_trains_compiled(tmp_path, pretrained, monkeypatch):
+    """--compile 1 in LoRA, the full fine-tune, Flow-DPO and distillation: each block through Dynamo's capture, run
+    eagerly (conftest.compiled_as_captured)."""
+    compiled = compiled_as_captured(monkeypatch)
+    monkeypatch.setattr(preference, "score_images", brightness_scores)
+    lora = ["--num_samples", "8", "--prior_samples", "8", "--batch_size", "2", *QUIET]
+    runs = [(train_lora, "lora_demo_tiny", "loss", lora), (train_full_sft, "sft_tiny", "loss",
+                                                           ["--num_samples", "8", "--batch_size", "2", *QUIET]),
+            (train_dpo, "lora_dpo_tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "2", "--pair_images", "2",
+                                                 "--pair_sample_steps", "2", "--lora_rank", "4", *QUIET]),
+            (train_distill, "distill_tiny", "fake_score", ["--gen_steps", "2", "--batch_size", "2", "--num_samples",
+                                                           "8", "--warmup_steps", "2"])]
+    for module, name, key, extra in runs:
+        out = tmp_path / name
+        run_in_process(module, ["--from_weight", pretrained, *extra, "--max_steps", "1", "--sample_interval", "0",
+                                "--compile", "1", "--out_dir", str(out), "--save_dir", str(out), "--cache_dir",
+                                str(tmp_path / "cache")], monkeypatch)
+        assert len(losses(out / f"{name}_metrics.jsonl", key)) == 1, name
+    assert compiled["stats"]["unique_graphs"] >= 4
+
+
+def losses(path, key="loss"):
+    with open(path) as f:
+        return [json.loads(line)[key] for line in f]

@@ -21,7 +21,7 @@ from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_si
 import eval.eval_sample as eval_sample
 import trainer.train_lora as train_lora
 from tests.scripts import run, run_here, run_many
-from tests.conftest import compiled_as_captured, run_stage
+from tests.conftest import run_stage
 from tests.conftest import dirs
 
 FAST = ["--warmup_steps", "2", "--gen_steps", "2", "--gen_update_ratio", "2", "--batch_size", "2",
@@ -143,10 +143,7 @@ def test_a_stopped_run_resumes_bitwise_exactly_with_the_gan_on(tmp_path, teacher
     # the signal comes while step 4's first micro-batch is fetched (4 samples a step): the step completes first
     run_stage(train_distill, argv(tmp_path / "cut", teacher, *extra), monkeypatch, signal_at=3 * 4 + 1)
     assert read_manifest(str(tmp_path / "cut" / "ckpt" / "distill_tiny_resume"), "resume")["step"] == 4
-    compiled = compiled_as_captured(monkeypatch)  # the rest of the run with each block compiled
-    run_stage(train_distill, argv(tmp_path / "cut", teacher, *extra, "--from_resume", "1", "--compile", "1"),
-              monkeypatch)
-    assert compiled["stats"]["unique_graphs"] >= 2
+    run_stage(train_distill, argv(tmp_path / "cut", teacher, *extra, "--from_resume", "1"), monkeypatch)
 
     def state(run_dir):
         stem, resume_stem = str(run_dir / "out" / "distill_tiny"), str(run_dir / "ckpt" / "distill_tiny_resume")

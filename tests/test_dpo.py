@@ -25,7 +25,7 @@ from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, 
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_here, run_in_process, run_many
-from tests.conftest import compiled_as_captured, dirs
+from tests.conftest import dirs
 
 FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
         "--pair_sample_steps", "2", "--warmup_steps", "2", "--sample_steps", "1"]
@@ -216,10 +216,7 @@ def test_a_stopped_run_resumes_bitwise_on_the_same_pairs(tmp_path, start, monkey
     # the signal comes in step 3's second micro-batch (round 1 drawn at step 3): the step completes and saves
     run_watched(tmp_path / "cut", start, monkeypatch, *extra, stop_at=6)
     assert read_manifest(str(tmp_path / "cut" / "ckpt" / "dpo_tiny_resume"), "resume")["step"] == 3
-    compiled = compiled_as_captured(monkeypatch)  # the rest of the run with each block compiled
-    resumed, messages = run_watched(tmp_path / "cut", start, monkeypatch, *extra, "--from_resume", "1", "--compile",
-                                    "1")
-    assert compiled["stats"]["unique_graphs"] >= 2
+    resumed, messages = run_watched(tmp_path / "cut", start, monkeypatch, *extra, "--from_resume", "1")
     assert sum("pairs, round" in m for m in messages) == 1  # round 2 only: round 1 came back with the checkpoint
 
     def state(run_dir):
