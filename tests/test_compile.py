@@ -32,6 +32,7 @@ def compiler(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # compiles: seconds
 @pytest.mark.parametrize("kind", ["full", "routed lora"])
 def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
     config = CONFIGS["sd3.5-medium-like"]  # dual attention, qk norms, the last block's own shape
