@@ -39,10 +39,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from model.flops import FlopCount, peak_flops  # noqa: E402
-from model.memory import (  # noqa: E402
-    AUTO_SHARE, GIB, MemoryPlan, estimate, fewest_recomputed, kept_value_bytes,
-)
-from model.model_lora import apply_lora, lora_parameters  # noqa: E402
+from model.memory import GIB, MemoryPlan, fitted_checkpointing, kept_value_bytes  # noqa: E402
+from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas  # noqa: E402
@@ -147,9 +145,8 @@ def recomputed(settings, resolution):
         apply_lora(model, ["attention"], RANK)
         plan = MemoryPlan((sum(p.numel() for p in lora_parameters(model)),), "adamw", False, "auto", settings.batch,
                           resolution, "auto")
-    fixed = sum(estimate(config, plan, "bf16", 1, 0, 0, "cuda").values())
-    return fewest_recomputed(config, plan, AUTO_SHARE * CARD - fixed, (DOWNSCALE, TEXT_TOKENS),
-                             kept_value_bytes("bf16", "cuda"))
+    return fitted_checkpointing(config, plan, CARD, ("bf16", 1, 0, "cuda"), (DOWNSCALE, TEXT_TOKENS),
+                                kept_value_bytes("bf16", "cuda")).checkpointing
 
 
 def optimizer_for(settings, params):
@@ -202,7 +199,7 @@ def measure(settings, resolution, steps, cpu_width):
     inputs = step_inputs(config, settings.batch, resolution, device, steps + 2)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
-    for i, batch in enumerate(inputs[:steps]):
+    for batch in inputs[:steps]:
         sync()
         started = time.perf_counter()
         train_step(model, params, optimizer, batch, routing.draw(batch[0], generator))
@@ -210,10 +207,11 @@ def measure(settings, resolution, steps, cpu_width):
         times.append(time.perf_counter() - started)
     counted = OperationCount()  # compiled blocks run eager under it: their count is the eager one's
     train_step(model, params, optimizer, inputs[steps], routing.draw(inputs[steps][0], generator), counted)
-    busy, kernels = gpu_busy(model, params, optimizer, inputs[steps + 1], routing.draw(inputs[steps + 1][0], generator))         if device.type == "cuda" else (None, None)
+    busy, kernels = (None, None) if device.type != "cuda" else \
+        gpu_busy(model, params, optimizer, inputs[steps + 1], routing.draw(inputs[steps + 1][0], generator))
     seconds = statistics.median(times[2:] if len(times) > 3 else times[1:] or times)  # after the warm-up
     side = resolution // DOWNSCALE
-    lora = (RANK, ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"))         if settings.step != "sft" else None
+    lora = (RANK, resolve_targets("attention")) if settings.step != "sft" else None
     flops = FlopCount(config, TEXT_TOKENS, routing, lora, blocks if settings.step != "diffusers" else
                       settings.checkpointing != "none").forward(settings.batch, side, side)
     peak = peak_flops(device, torch.bfloat16)[0]

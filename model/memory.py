@@ -33,7 +33,7 @@ GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)
 CUDA_FP32_WORDS = 2  # of them, the two layer norms' outputs the modulation keeps: fp32 under CUDA autocast (CPU: bf16)
 RUNTIME = {"cpu": 0.6 * GIB, "cuda": 0.8 * GIB}
-AUTO_SHARE = 0.8  # of the device's memory, what --gradient_checkpointing auto plans to fill: room for the estimate's error
+AUTO_SHARE = 0.8  # of the device's memory, what --gradient_checkpointing auto plans to fill: room for its error
 OPTIMIZER_BYTES = {"adamw": 8, "adamw8bit": 2.06}  # per trained parameter (muon: from the matrices)
 
 
@@ -104,15 +104,23 @@ def auto_checkpointing(config, plan, components, precision, info):
     in backward (the first ones) for the estimate to fit AUTO_SHARE of the device's memory, every block where
     nothing less fits. Recomputing a block costs a second forward of it: at batch 1 on a large GPU, a step with
     none recomputed took half the time. A plan without auto comes back as it is."""
+    device = info.device
+    holding = (precision.frozen, info.mesh.shape[-1] if info.sharded else 1, module_bytes(components), device.type)
+    return fitted_checkpointing(config, plan, device_memory(device), holding,
+                                (components.downscale, text_tokens(components)),
+                                kept_value_bytes(precision.compute, device.type))
+
+
+def fitted_checkpointing(config, plan, memory_bytes, holding, latent, value_bytes):
+    """`plan` with --gradient_checkpointing auto resolved for a device of `memory_bytes`: what is not activations
+    (estimate, `holding` its frozen dtype, shards, components' bytes and device type) first, then the fewest blocks
+    recomputed for the activations to fit in what AUTO_SHARE of the memory leaves (fewest_recomputed)."""
     if plan.checkpointing != "auto":
         return plan
-    device = info.device
-    shards = info.mesh.shape[-1] if info.sharded else 1
-    fixed = sum(estimate(config, plan, precision.frozen, shards, 0, module_bytes(components), device.type).values())
-    blocks = fewest_recomputed(config, plan, AUTO_SHARE * device_memory(device) - fixed,
-                               (components.downscale, text_tokens(components)),
-                               kept_value_bytes(precision.compute, device.type))
-    return replace(plan, checkpointing=blocks)
+    frozen_dtype, shards, components_bytes, device_type = holding
+    fixed = sum(estimate(config, plan, frozen_dtype, shards, 0, components_bytes, device_type).values())
+    return replace(plan, checkpointing=fewest_recomputed(config, plan, AUTO_SHARE * memory_bytes - fixed, latent,
+                                                         value_bytes))
 
 
 def fewest_recomputed(config, plan, room, latent, value_bytes):

@@ -1,9 +1,7 @@
 """The memory estimate of a stage's command on one GPU, as the stage logs it before the weights load
 (model/memory.py), for the commands the README shows per card: the preset's transformer built on the meta device (no
 file read), SD3's VAE as the components left once the cache is built (the text encoders are freed then)."""
-from dataclasses import replace
-
-from model.memory import AUTO_SHARE, GIB, RUNTIME, activation_bytes, estimate, fewest_recomputed, kept_value_bytes
+from model.memory import GIB, RUNTIME, activation_bytes, estimate, fitted_checkpointing, kept_value_bytes
 from model.model_sd3light import preset_config
 
 SD3_VAE_BYTES = 83.82e6 * 2  # SD3's VAE, 83.82M parameters, held in bf16 (--frozen_dtype auto with --base)
@@ -31,9 +29,5 @@ def recomputed_plan(stage, args, card_bytes):
     model/memory.auto_checkpointing resolves it on the GPU."""
     config = preset_config(args.preset)
     plan = stage.memory_plan(args, config) if stage.__name__.endswith("lora") else stage.memory_plan(args)
-    if plan.checkpointing != "auto":
-        return plan
-    fixed = sum(estimate(config, plan, frozen_of(args), 1, 0, SD3_VAE_BYTES, "cuda").values())
-    return replace(plan, checkpointing=fewest_recomputed(config, plan, AUTO_SHARE * card_bytes - fixed,
-                                                         (SD3_DOWNSCALE, 77 + args.t5_max_length),
-                                                         kept_value_bytes("bf16", "cuda")))
+    return fitted_checkpointing(config, plan, card_bytes, (frozen_of(args), 1, SD3_VAE_BYTES, "cuda"),
+                                (SD3_DOWNSCALE, 77 + args.t5_max_length), kept_value_bytes("bf16", "cuda"))

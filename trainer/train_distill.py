@@ -104,10 +104,10 @@ def parse_args(argv=None):
     # (configs/SD35/sd35_senseflow.yaml, senseflow/trainer/trainer_sd35_senseflow.py): learning_rate 1e-6 for both
     # networks and no weight decay (lr_max, weight_decay), real_guidance 4 (real_guidance_scale), the generator
     # every 10th step (GD = 10), 4 generator steps, batch 1 at 1024 px, grad_clip 1.0; no EMA, as tianweiy/DMD2
-    # trains SD and SDXL (it creates none), which also leaves 4 bytes a parameter off the GPU; as many
-    # blocks recomputed in backward as the two trained copies need (auto). Left the demo's: the warmup (SenseFlow warms up over 500 steps
-    # of a far longer run), the guidance interval and the run's length. Its GAN term (gan_weight 0.1) stays off:
-    # our head does not shard, and the two trained copies of a published model need --fsdp 1
+    # trains SD and SDXL (it creates none), which also leaves 4 bytes a parameter off the GPU; as many blocks
+    # recomputed in backward as the two trained copies need (auto). Left the demo's: the warmup (SenseFlow warms up
+    # over 500 steps of a far longer run), the guidance interval and the run's length. Its GAN term (gan_weight
+    # 0.1) stays off: our head does not shard, and the two trained copies of a published model need --fsdp 1
     parser.set_real_model_defaults(learning_rate=1e-6, weight_decay=0.0, real_guidance=4.0, gen_update_ratio=10,
                                    ema_decay=0.0, batch_size=1, resolution=1024,
                                    gradient_checkpointing="auto")
