@@ -4,20 +4,18 @@
 
 The loss and the sampler work on velocities. The transformer outputs either v itself (prediction "v", SD3's own
 and what published SD3 weights do) or the clean latent x0 (prediction "x"), turned into v by `to_velocity`.
+
+This is the loss module of pretraining, full fine-tuning and LoRA, all of it in this file: `flow_matching_loss`
+(one micro-batch: its caption dropout, noise, sigmas from `sample_sigmas`, the noisy latents from `add_noise`, the
+model's velocity from `predict_velocity`) scored by `flow_loss` against the velocity target noise - x0, as a
+FlowRecipe says. Sampling (Sampler, euler_sample) follows it.
 """
 import math
 from dataclasses import dataclass
 
 import torch
 
-
-def to_device(tensor, device):
-    """A tensor drawn on the CPU (with a CPU generator: the same random streams on every device, so a run and its
-    resume draw alike) on `device`, without making the host wait: a copy from pageable memory waits for every
-    kernel queued before it, one from page-locked memory does not."""
-    if tensor.device == device:
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+from model.token_routing import TokenRouting, to_device
 
 
 def shift_sigmas(s, shift):
@@ -106,6 +104,60 @@ def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
     else:
         raise ValueError(f"unknown weighting {weighting!r}: use none, sigma_sqrt or cosmap")
     return (w * per_sample).mean()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loss a flow-matching stage trains (pretraining, full fine-tuning, LoRA)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowRecipe:
+    """How the flow loss trains: what the model predicts, how the sigmas are drawn (scheme, logit-normal mean and
+    std, shift), the loss and its weighting, the caption dropout, and the autocast dtype (None: fp32). A stage
+    builds it from its arguments, whose values are its recipe. `routing`: the image tokens that skip some blocks
+    (model/token_routing.py; off by default)."""
+    prediction: str
+    sigma_scheme: str
+    logit_mean: float
+    logit_std: float
+    train_shift: float
+    loss: str
+    weighting: str
+    caption_dropout: float
+    autocast: torch.dtype = None
+    routing: TokenRouting = TokenRouting()
+
+
+def flow_matching_loss(model, components, batch, generator, recipe):
+    """Encode (or read) the batch, drop captions, noise the latents at sampled sigmas and score the model's
+    velocity (weighted by the batch's masks, if it has them), as `recipe` (FlowRecipe) says. `generator` draws
+    the dropout, the latent sample, the noise, the sigmas and the routed tokens, in that order, so a resumed run
+    draws the same."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        if "latents" in batch:  # from the cache
+            features = {k: v.to(device, non_blocking=True) for k, v in batch.items()}  # pinned: async
+        else:
+            features = components.encode(batch["image"].to(device, non_blocking=True), list(batch["caption"]))
+        # Caption dropout per text encoder, independently (SD3): each is dropped with p ** (1 / encoders), so a
+        # sample is fully unconditional with probability p (--caption_dropout).
+        encoders = len(components.text_encoders)
+        p_drop = recipe.caption_dropout ** (1 / encoders)
+        drop = torch.rand(len(features["latents"]), encoders, generator=generator) < p_drop
+        tokens, pooled = components.condition(features, to_device(drop, device))
+        latents = components.latents(features, generator)
+    noise = to_device(torch.randn(latents.shape, generator=generator), device)
+    s = to_device(sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
+                                shift=recipe.train_shift, generator=generator), device)
+    route = recipe.routing.draw(latents, generator)
+    dtype = recipe.autocast
+    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, recipe.prediction, route)
+    return flow_loss(pred, latents, noise, s, recipe.loss, recipe.weighting, mask=batch.get("mask"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
 
 
 def sampling_sigmas(steps, shift=3.0, device="cpu"):

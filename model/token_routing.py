@@ -15,7 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from model.errors import UserError
-from model.rectified_flow import to_device
+
+
+def to_device(tensor, device):
+    """A tensor drawn on the CPU (with a CPU generator: the same random streams on every device, so a run and its
+    resume draw alike) on `device`, without making the host wait: a copy from pageable memory waits for every
+    kernel queued before it, one from page-locked memory does not."""
+    if tensor.device == device:
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
 
 
 class RoutingError(UserError, ValueError):

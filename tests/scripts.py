@@ -7,7 +7,7 @@ import sys
 import tempfile
 
 import dataset.training_data
-from trainer.metrics import MetricsLog
+from trainer.mechanics.metrics import MetricsLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # faulthandler: a script that dies of a signal (a crash in native code) prints every thread's Python stack

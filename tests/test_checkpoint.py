@@ -24,10 +24,11 @@ from model.components import BuiltinComponents
 from model.errors import UserError
 from model.model_sd3light import SD3Light, StateDictMismatchError, preset_config
 from model.weights import load_weights, save_weights
-from trainer.parallel import NamedOptimizerState
-from trainer.resume import RunSpec, check_resume
-from trainer import trainer_utils
-from trainer.trainer_utils import StopSignal, lr_at
+from trainer.mechanics.distributed import NamedOptimizerState
+from trainer.mechanics.checkpointer import RunSpec, check_resume
+from trainer.mechanics import signals
+from trainer.mechanics.signals import StopSignal
+from trainer.trainer_utils import lr_at
 
 from tests.scripts import REPO, run, run_here, run_in_process, run_many
 from tests.conftest import metric_steps, narrow_tiny
@@ -391,7 +392,7 @@ def test_under_torchrun_the_agents_copy_of_a_ctrl_c_is_the_same_stop(default_sig
     """torchrun passes the SIGINT it got on to its ranks, which a scheduler may have signalled too: a second SIGINT
     that soon after the first stops nothing more; one later is a second Ctrl-C."""
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
-    monkeypatch.setattr(trainer_utils, "FORWARDED_SECONDS", 0.3)
+    monkeypatch.setattr(signals, "FORWARDED_SECONDS", 0.3)
     with StopSignal() as stop:
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)  # the agent's copy
@@ -416,8 +417,8 @@ def test_data_loader_workers_ignore_stop_signals_but_their_parents(default_signa
     """A worker survives SIGTERM and SIGINT from anyone but its parent (a signal to the whole group: the main
     process stops the run), and leaves quietly when its loader ends it (torch's own SIGTERM to a stuck worker)."""
     loader = torch.utils.data.DataLoader(Numbers(), batch_size=2, num_workers=2,
-                                         worker_init_fn=trainer_utils.leave_stopping_to_the_main_process)
-    with StopSignal() as stop, trainer_utils.stop_signals_held():
+                                         worker_init_fn=signals.leave_stopping_to_the_main_process)
+    with StopSignal() as stop, signals.stop_signals_held():
         batches = iter(loader)
     workers = [w.pid for w in batches._workers]
     assert next(batches).tolist() == [0, 1]

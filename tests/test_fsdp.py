@@ -24,10 +24,10 @@ from model.checkpoint import (
 from eval.sampling import load_for_sampling
 from model.errors import UserError, run_main
 from model.model_sd3light import SD3Light, preset_config
-from trainer.sharded_checkpoint import (
+from trainer.mechanics.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
-from trainer.trainer_utils import leaves, map_leaves
+from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
 from tests.conftest import alive, children, launch, uncommitted, wait_for_step
@@ -348,8 +348,8 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.distributed import DistInfo
-    from trainer.parallel import data_parallel, gathered, to_item
+    from trainer.mechanics.distributed import DistInfo
+    from trainer.mechanics.distributed import data_parallel, gathered, to_item
     from trainer.trainer_utils import NonFiniteSteps
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
@@ -452,7 +452,7 @@ def shard_unaligned_8bit_state(rank, folder):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from trainer.parallel import shard_of
+    from trainer.mechanics.distributed import shard_of
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:
@@ -475,8 +475,8 @@ def test_8bit_states_change_sharding_where_their_blocks_do_not_line_up(tmp_path)
 
 
 def test_shards_are_hashed_for_the_manifest_and_a_wrong_read_back_is_caught(tmp_path, monkeypatch):
-    from trainer import sharded_checkpoint
-    from trainer.distributed import DistInfo
+    from trainer.mechanics import sharded_checkpoint
+    from trainer.mechanics.distributed import DistInfo
 
     tensors = {"model/a": torch.ones(3), "model/b": torch.arange(4)}
     entries = write_shards(str(tmp_path / "run.step00000001.dcp"), tensors, DistInfo())

@@ -15,11 +15,12 @@ from model import memory
 from model.components import SD3Components
 from model.precision import StagePrecision, resolve_dtype, resolve_frozen_dtype, run_precision, use_tf32
 from model.rectified_flow import to_device
-from trainer import parallel, startup
-from trainer.distributed import DistInfo, init_distributed, mean_and_any
-from trainer.ema import EMA
-from trainer.parallel import data_parallel
-from trainer.position import data_workers
+from trainer import trainer_utils
+from trainer.mechanics import distributed
+from trainer.mechanics.distributed import DistInfo, init_distributed, mean_and_any
+from trainer.mechanics.ema import EMA
+from trainer.mechanics.distributed import data_parallel
+from trainer.mechanics.position import data_workers
 
 from tests.scripts import run_in_process
 
@@ -78,7 +79,7 @@ def test_the_peak_line_on_a_gpu_shows_allocated_and_reserved(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 1.5 * gib)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 2.25 * gib)
     lines = []
-    startup.log_peak(DistInfo(device=CUDA), "the run", lines.append)
+    trainer_utils.log_peak(DistInfo(device=CUDA), "the run", lines.append)
     assert lines == ["peak memory after the run: 1.50 / 2.25 GiB (allocated / reserved) (by rank)"]
 
 
@@ -135,14 +136,14 @@ def test_ddp_does_not_broadcast_the_constant_buffers(group_of_one):
 
 
 def test_under_fsdp_rank_0_loads_on_the_cpu_and_shards_from_there(tmp_path, pretrained):
-    source = startup.start_weights_source(pretrained, "tiny", None, str(tmp_path))
+    source = trainer_utils.start_weights_source(pretrained, "tiny", None, str(tmp_path))
     # a "GPU" no tensor may reach: under FSDP rank 0 loads on the CPU, the other ranks hold nothing
     sharded = DistInfo(device=torch.device("meta"), mesh=object())
     assert sharded.load_device == torch.device("cpu") and DistInfo(device=CUDA).load_device == CUDA
     for role in ("trained", "frozen"):
-        model = startup.load_network(source, role, "fp32", sharded)
+        model = trainer_utils.load_network(source, role, "fp32", sharded)
         assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
-        other = startup.load_network(source, role, "fp32", DistInfo(rank=1, device=torch.device("meta"),
+        other = trainer_utils.load_network(source, role, "fp32", DistInfo(rank=1, device=torch.device("meta"),
                                                                     mesh=object()))
         assert all(t.is_meta for t in other.state_dict().values())
 
@@ -154,7 +155,7 @@ def test_compiled_blocks_may_recompile_as_often_as_a_run_needs_and_say_so(monkey
     model.transformer_blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)])
     with torch._dynamo.config.patch(recompile_limit=8):  # Dynamo's default, restored after
         data_parallel(model, DistInfo(), compile_blocks=True)
-        assert torch._dynamo.config.recompile_limit >= parallel.RECOMPILE_LIMIT and said == [{"recompiles": True}]
+        assert torch._dynamo.config.recompile_limit >= distributed.RECOMPILE_LIMIT and said == [{"recompiles": True}]
 
 
 def test_ema_device_cpu_under_fsdp_is_one_line_before_any_work(capsys):

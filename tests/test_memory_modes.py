@@ -6,8 +6,8 @@ import torch
 import trainer.train_full_sft as train_full_sft
 from model.checkpoint import first_difference, read_manifest
 from model.errors import UserError
-from trainer.fused_step import StepInBackward
-from trainer.trainer_utils import adamw
+from trainer.mechanics.optimizers import StepInBackward
+from trainer.mechanics.optimizers import adamw
 
 from tests.conftest import QUIET, final_state, narrow_tiny, pretrain_weights, run_stage, sft_export
 
@@ -101,8 +101,8 @@ def test_what_a_memory_mode_does_not_go_with_is_one_line(tmp_path, base, monkeyp
 def test_what_several_processes_do_not_go_with_is_one_line():
     """Refused before anything is loaded: the step in backward on several processes, bf16 weights under FSDP."""
     from model.precision import StagePrecision, run_precision
-    from trainer.distributed import DistInfo
-    from trainer.fused_step import check_step_in_backward
+    from trainer.mechanics.distributed import DistInfo
+    from trainer.mechanics.optimizers import check_step_in_backward
 
     with pytest.raises(UserError, match="--step_in_backward 1 runs on one process"):
         check_step_in_backward(1, 2)
@@ -117,7 +117,7 @@ def test_the_estimate_counts_the_modes_and_names_the_levers_that_would_fit(monke
     import model.memory as memory
     from model.model_sd3light import count_parameters, preset_config
     from model.precision import Precision
-    from trainer.distributed import DistInfo
+    from trainer.mechanics.distributed import DistInfo
 
     config, plan = preset_config("sd3.5-medium"), memory.MemoryPlan(("trained",), "adamw", True, "auto", 1, 64, True)
     params = count_parameters(config)
@@ -159,7 +159,7 @@ def test_a_gpu_runs_estimate_line_names_its_blocks_recomputed_and_largest_batch(
     import model.memory as memory
     from model.model_sd3light import preset_config
     from model.precision import Precision
-    from trainer.distributed import DistInfo
+    from trainer.mechanics.distributed import DistInfo
 
     class Components:
         spec, t5_max_length, downscale = {"kind": "sd3"}, 256, 8

@@ -23,9 +23,9 @@ from model.model_sd3light import SD3LightConfig, preset_config
 from model.rectified_flow import Sampler
 from model.precision import StagePrecision, run_precision, torch_dtype
 from model.weights import load_components, load_transformer
-from trainer import startup
-from trainer.distributed import DistInfo
-from trainer.startup import start_weights_source
+from trainer import trainer_utils
+from trainer.mechanics.distributed import DistInfo
+from trainer.trainer_utils import start_weights_source
 
 from tests.scripts import run, run_here, run_in_process
 from tests.conftest import final_state
@@ -41,7 +41,7 @@ def dirs(tmp_path):
 
 
 def started(module, stage, roles, argv, adapt=None):
-    """A stage's arguments, its precision and its start-up (trainer/startup.py's pieces, in the stages' order), in
+    """A stage's arguments, its precision and its start-up (trainer/trainer_utils.py's pieces, in the stages' order), in
     this process -> (the arguments with the precision the run resolved them to, what started: its networks by
     name, each "trained", "frozen", or "adapted" (frozen, with `adapt` putting adapters on it), its components
     and the grids' prompts)."""
@@ -52,9 +52,9 @@ def started(module, stage, roles, argv, adapt=None):
     resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    data = startup.stage_data(module.data_settings(args), components, SD3LightConfig.from_dict(source["transformer"]),
+    data = trainer_utils.stage_data(module.data_settings(args), components, SD3LightConfig.from_dict(source["transformer"]),
                               info, args.batch_size, print)
-    nets = {name: startup.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen, info)
+    nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen, info)
             for name, role in roles.items()}
     for name, role in roles.items():
         if role == "adapted":
@@ -101,7 +101,7 @@ def test_the_built_in_components_on_a_cpu_stay_fp32(tmp_path, pretrained):
 
 def test_the_text_encoders_are_freed_once_training_reads_the_cache(tmp_path, sd3):
     seen = {}
-    free = startup.features_to_train_on
+    free = trainer_utils.features_to_train_on
 
     def watch(args, dataset, components, prompts, info, log):
         seen["encoders"] = [weakref.ref(components.clip_l), weakref.ref(components.clip_g),
@@ -109,7 +109,7 @@ def test_the_text_encoders_are_freed_once_training_reads_the_cache(tmp_path, sd3
         return free(args, dataset, components, prompts, info, log)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(startup, "features_to_train_on", watch)
+        patch.setattr(trainer_utils, "features_to_train_on", watch)
         args, start = started(train_full_sft, "sft", {"model": "trained"},
                               ["--base", sd3, "--from_weight", "base", *FAST, *dirs(tmp_path)])
     gc.collect()
@@ -152,7 +152,7 @@ def fill_from_rank_0(rank, folder, sd3):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.parallel import data_parallel, gathered
+    from trainer.mechanics.distributed import data_parallel, gathered
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:
@@ -289,7 +289,7 @@ def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3, mo
 
 
 def test_a_resume_file_from_before_frozen_dtype_resumes_where_its_frozen_weights_were_fp32():
-    from trainer.resume import RunSpec, check_resume
+    from trainer.mechanics.checkpointer import RunSpec, check_resume
 
     args = train_lora.parse_args([])
     saved = {k: v for k, v in vars(args).items() if k != "frozen_dtype"}

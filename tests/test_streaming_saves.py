@@ -162,8 +162,8 @@ def test_a_run_whose_disk_fills_ends_in_one_line_and_resumes_from_its_last_save(
 
 
 def test_shards_the_disk_cannot_take_are_one_line_too(tmp_path, monkeypatch):
-    import trainer.sharded_checkpoint as sharded_checkpoint
-    from trainer.distributed import DistInfo
+    import trainer.mechanics.sharded_checkpoint as sharded_checkpoint
+    from trainer.mechanics.distributed import DistInfo
 
     stem = str(tmp_path / "run_resume")
     save_checkpoint(stem, 1, {"kind": "resume"}, {".pt": {"n": 1}})

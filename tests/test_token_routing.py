@@ -14,7 +14,7 @@ from model.flops import FlopCount, training_flops_per_sample
 from model.model_lora import apply_lora, resolve_targets
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.token_routing import TokenRoute, TokenRouting
-from trainer.flow_matching import FlowRecipe, flow_matching_loss
+from model.rectified_flow import FlowRecipe, flow_matching_loss
 from tests.conftest import CONFIGS, QUIET, final_state, inputs, lora_export, randomise, run_stage, sft_export
 from tests.scripts import run
 from tests.test_model_sd3light import _math_attention

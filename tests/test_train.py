@@ -16,8 +16,8 @@ from model import precision
 from model.precision import autocast_dtype
 from model.errors import UserError
 from model.weights import load_weights
-from trainer.flow_matching import FlowRecipe, flow_matching_loss
-from trainer.ema import EMA
+from model.rectified_flow import FlowRecipe, flow_matching_loss
+from trainer.mechanics.ema import EMA
 from trainer.trainer_utils import lr_at
 
 import eval.eval_loss as eval_loss

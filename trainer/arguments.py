@@ -233,7 +233,7 @@ def add_schedule_args(parser):
 
 
 def add_flow_args(parser, loss=True):
-    """The flow loss's recipe (trainer/flow_matching.FlowRecipe): how sigmas are drawn and, with `loss`, the loss,
+    """The flow loss's recipe (model/rectified_flow.FlowRecipe): how sigmas are drawn and, with `loss`, the loss,
     its weighting and the caption dropout."""
     a = parser.recipe.add_argument
     a("--sigma_scheme", choices=["logit_normal", "uniform", "mode"], stage_sets=True)
@@ -248,7 +248,7 @@ def add_flow_args(parser, loss=True):
 
 
 def add_sampling_args(parser):
-    """How the sample grids draw (trainer/previews.py)."""
+    """How the sample grids draw (trainer/mechanics/previews.py)."""
     a = parser.free.add_argument
     a("--sample_steps", type=positive_int, default=20, help="Euler steps of the sample grids")
     a("--sample_cfg", type=non_negative_float, default=2.0, help="classifier-free guidance scale")

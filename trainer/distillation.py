@@ -54,7 +54,7 @@ class DistillRecipe:
 @dataclass
 class Networks:
     """The stage's networks: each trained one as a module (no-gradient forwards) and as what trains it (DDP or
-    FSDP, trainer/parallel.py); `head` is the GAN discriminator head, or None."""
+    FSDP, trainer/mechanics/distributed.py); `head` is the GAN discriminator head, or None."""
     teacher: nn.Module
     generator: nn.Module
     generator_train: nn.Module
@@ -213,7 +213,7 @@ def fake_score_loss(nets, x0_gen, real, text, s, noise, recipe):
 
 
 def distillation_flops(throughput, batch, k, update_generator, recipe, gan):
-    """FLOPs of distillation_losses on `batch` (trainer/metrics.Throughput): the generator's k steps without
+    """FLOPs of distillation_losses on `batch` (trainer/mechanics/metrics.Throughput): the generator's k steps without
     gradients and its step k (trained on update steps, routed then); on update steps the teacher (twice with
     guidance above 1, counted as if every sigma were inside its interval), the fake score, and with the GAN
     (`gan`) the fake score's forward and its input gradients to the sample (counted as two forwards; the head's

@@ -17,6 +17,8 @@ checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue 
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 losses and backward of a step's micro-batches, step_network one network's update, train the loop.
+The two files it names: trainer/distillation.py (the losses: distillation_losses, generator_step) and
+trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
 import math
 import os
@@ -26,34 +28,23 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings  # noqa: E402
-from model.errors import UserError, run_main  # noqa: E402
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
-from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
-from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args,
-    add_routing_args, add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int,
-    probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args, add_routing_args,
+    add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
 from trainer.distillation import (  # noqa: E402
     DistillLearner, DistillRecipe, GANHead, Networks, distillation_flops, distillation_losses, generator_step,
 )
-from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
-from trainer.ema import EMA  # noqa: E402
-from trainer.metrics import MetricsLog, Throughput  # noqa: E402
-from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.position import Position  # noqa: E402
-from trainer.previews import Previews, step_zero  # noqa: E402
-from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    EMA, PREDICTIONS, CaptionOptions, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState,
+    NonFiniteSteps, Outputs, Position, Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput,
+    TokenRouting, UserError, adamw, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume,
+    finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main,
+    run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype,
+    write_export,
+)
 
 
 def parse_args(argv=None):
@@ -208,7 +199,12 @@ def main(argv=None):
                   for name, net in trained.items() if net is not None}
     ema = EMA(nets.generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     learner = DistillLearner(nets, optimizers, ema, components, recipe)
-    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
+    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "distill", [p for net in trained.values() if net for p in net.parameters()], info)
     if saved is None:  # step 0: the teacher's weights sampled in the generator's steps
         step_zero(out.previews, metrics, data)
@@ -216,7 +212,7 @@ def main(argv=None):
     return train(args, info, position, data, learner, out)
 
 
-def outputs(args, info, data, learner, metrics, source, precision):
+def outputs(args, info, position, learner, metrics, source, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, both networks and the head, their
     optimizers, the EMA, the metrics' wandb id); the generator's EMA (else its weights), recording how it samples
     (its steps, re-noised, without guidance) and what it was distilled from (`source`); sample grids and the
@@ -230,9 +226,6 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "components": learner.components.spec, "sampling": sampling, "teacher": teacher,
         "teacher_sampling": source["sampling"], "generator_sigmas": recipe.sigmas(), "args": vars(args)},
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
-    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        args.num_workers)
-    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("distill", {"kind": "distill", "teacher": teacher}, vars(args), args.resume_kinds, {
         "prediction": recipe.prediction, **precision.as_args(), "gen_shift": recipe.gen_shift,
         "score_shift": recipe.score_shift, "real_guidance": recipe.real_guidance,
@@ -247,7 +240,7 @@ def outputs(args, info, data, learner, metrics, source, precision):
     throughput, line = Throughput.of_model(nets.generator, learner.components, recipe.routing, None, info.device,
                                            precision.autocast)
     metrics.log(line)
-    return position, Outputs(metrics, previews, checkpointer, export, throughput)
+    return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
 def accumulate(args, batches, learner, generator, k, update, throughput):

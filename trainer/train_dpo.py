@@ -23,6 +23,8 @@ Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
+The two files it names: trainer/preference.py (the loss: flow_dpo_loss, and the pairs) and trainer/trainer_utils.py
+(everything around the loop, and lr_at: the learning rate).
 """
 import math
 import os
@@ -32,41 +34,28 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
-from dataset.training_data import DataSettings, validation_data  # noqa: E402
-from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
-from model.errors import UserError, run_main  # noqa: E402
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
-from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
-from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, non_negative_float,
-    non_negative_int, positive_float, positive_int,
+    SAVE_DTYPES, StageParser, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_routing_args,
+    add_sampling_args, add_schedule_args, add_validation_args, non_negative_float, non_negative_int, positive_float,
+    positive_int,
 )
-from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
-from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
-from trainer.ema import EMA  # noqa: E402
-from trainer.metrics import MetricsLog, Throughput  # noqa: E402
-from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.position import Position  # noqa: E402
 from trainer.preference import (  # noqa: E402
-    DPOLearner, DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference,
-    pairs_per_prompt, refresh_pool,
+    PROMPTS_PER_TASK, DPOLearner, DPORecipe, PairPool, PairRounds, PreferencePairs, adapters_off_reference,
+    all_prompts, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
 )
-from trainer.previews import Previews, step_zero  # noqa: E402
-from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import (  # noqa: E402
-    StageData, adapter_count, load_network, log_peak, ready_data, start_weights_source,
+from trainer.trainer_utils import (  # noqa: E402
+    EMA, PREDICTIONS, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
+    Outputs, Position, Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting,
+    UserError, adamw, adapter_count, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume,
+    finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype,
+    run_main, run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype,
+    validation_data, write_export,
 )
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -225,7 +214,13 @@ def main(argv=None):
                        logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
                        autocast=precision.autocast, routing=routing)
     learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe)
-    position, out = outputs(args, info, data, learner, metrics, source, {
+    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
+    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    workers = 0 if isinstance(data.dataset, PairPool) else args.num_workers  # a pool is read here (no stale copy)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        workers)
+    position.plan(args.max_steps, args.epochs)
+    out = outputs(args, info, position, learner, metrics, source, {
         "prediction": prediction, **precision.as_args(), **rounds.resolved(isinstance(data.dataset, PairPool))})
     resume_run(saved, out, "dpo", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
@@ -234,7 +229,7 @@ def main(argv=None):
     return train(args, info, position, data, learner, out, rounds)
 
 
-def outputs(args, info, data, learner, metrics, source, resolved):
+def outputs(args, info, position, learner, metrics, source, resolved):
     """What the run writes: the metrics; the resume checkpoint (the position, the policy or its adapters, its
     optimizer, the EMA, the current pairs, the metrics' wandb id; `resolved`: the settings decided at start-up);
     the policy (its EMA if on): its adapters naming their base (--lora_rank), or its whole weights, recording what
@@ -251,10 +246,7 @@ def outputs(args, info, data, learner, metrics, source, resolved):
                         SAVE_DTYPES[args.save_dtype]) if args.lora_rank else \
         WeightsExport(os.path.join(args.out_dir, name), model, components, record, SAVE_DTYPES[args.save_dtype],
                       args.export_pipeline, args.export_single_file)
-    pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
-    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        0 if pool else args.num_workers)  # a pool is read in this process (no stale copy)
-    position.plan(args.max_steps, args.epochs)
+    pool = position.dataset if isinstance(position.dataset, PairPool) else None  # builtin pairs: refilled each round
     spec = RunSpec("dpo", {"kind": "dpo_lora" if args.lora_rank else "dpo", "start": start}, vars(args),
                    args.resume_kinds, resolved)
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
@@ -266,7 +258,7 @@ def outputs(args, info, data, learner, metrics, source, resolved):
     throughput, line = Throughput.of_model(model, components, learner.recipe.routing, lora, info.device,
                                            learner.recipe.autocast)
     metrics.log(line)
-    return position, Outputs(metrics, previews, checkpointer, export, throughput)
+    return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
 def accumulate(args, batches, learner, generator, throughput):

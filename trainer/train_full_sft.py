@@ -5,7 +5,7 @@
     python trainer/train_full_sft.py --from_weight path/to/weights.json --preset small
     python trainer/train_full_sft.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
 
-It trains the pretraining loss (trainer/flow_matching.py) from `--from_weight` (a stage name in --out_dir, or a
+It trains the pretraining loss (model/rectified_flow.py) from `--from_weight` (a stage name in --out_dir, or a
 weights path; its preset must be --preset, and its prediction and components are kept) with AdamW and an EMA of the
 weights; the recipe's values are parse_args' set_defaults. Writes out/sft_<preset>.json and the files it names,
 sample grids in out/samples/ (step 0 shows the starting weights), metrics in out/sft_<preset>_metrics.jsonl and the
@@ -13,6 +13,8 @@ resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM or Ctr
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
+The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
+target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
 import math
 import os
@@ -22,32 +24,22 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings  # noqa: E402
-from model.errors import run_main  # noqa: E402
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
-from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
-from model.token_routing import TokenRouting  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, add_weights_memory_args, positive_int,
+    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, add_weights_memory_args,
+    positive_int,
 )
-from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
-from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
-from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.fused_step import StepInBackward, check_step_in_backward  # noqa: E402
-from trainer.metrics import MetricsLog, Throughput  # noqa: E402
-from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.position import Position  # noqa: E402
-from trainer.previews import Previews, step_zero  # noqa: E402
-from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    EMA, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState,
+    NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StepInBackward, StopSignal, Throughput,
+    TokenRouting, adamw, auto_checkpointing, check_step_in_backward, checkpoint_stem, data_parallel, estimate_lines,
+    find_resume, finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype,
+    run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item,
+    torch_dtype, write_export,
+)
 
 
 def parse_args(argv=None):
@@ -174,7 +166,12 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
-    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
+    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "sft", model.parameters(), info)  # a resume that does not fit the run: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
@@ -182,7 +179,7 @@ def main(argv=None):
     return train(args, info, position, data, learner, out, fused)
 
 
-def outputs(args, info, data, learner, metrics, source, precision):
+def outputs(args, info, position, learner, metrics, source, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the model, its optimizer, the EMA,
     the metrics' wandb id); the EMA weights (else the raw ones), recording what they started from (`source`);
     sample grids and the validation loss of those weights."""
@@ -195,9 +192,6 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "components": components.spec, "sampling": sampling,
         "started_from": {"weights": source["manifest"], "step": source["step"]}, "args": vars(args)},
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
-    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        args.num_workers)
-    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("sft", {"kind": "full"}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
@@ -207,7 +201,7 @@ def outputs(args, info, data, learner, metrics, source, precision):
     throughput, line = Throughput.of_model(model, components, learner.recipe.routing, None, info.device,
                                            precision.autocast)
     metrics.log(line)
-    return position, Outputs(metrics, previews, checkpointer, export, throughput)
+    return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
 def accumulate(args, batches, learner, generator, fused, throughput):

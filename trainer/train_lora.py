@@ -5,7 +5,7 @@
     python trainer/train_lora.py --base /models/sd3-medium --from_weight base --preset sd3-medium --data my_images/
     torchrun --nproc_per_node 2 trainer/train_lora.py --data my_images/ --lora_targets attention,ff
 
-It trains the pretraining loss (trainer/flow_matching.py) through adapters (--lora_rank, --lora_targets) on the
+It trains the pretraining loss (model/rectified_flow.py) through adapters (--lora_rank, --lora_targets) on the
 frozen `--from_weight`, with AdamW on the adapters only; the recipe's values are parse_args' set_defaults. The
 demo's data (`--data builtin:white`) is built-in images whose objects are all white, a colour (and a word) the
 pretrained model never saw, trained alongside ordinary ones (`--prior_data`) so that what the model drew before
@@ -18,6 +18,8 @@ checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
+The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
+target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
 import math
 import os
@@ -27,34 +29,24 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.training_data import DataSettings, training_dataset  # noqa: E402
-from model.errors import run_main  # noqa: E402
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
-from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
-from model.token_routing import TokenRouting  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_routing_args,
     add_sampling_args, add_schedule_args, add_validation_args, positive_float, positive_int, probability,
 )
-from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
-from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
-from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.metrics import MetricsLog, Throughput  # noqa: E402
-from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.position import Position  # noqa: E402
-from trainer.previews import Previews, step_zero  # noqa: E402
-from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import adapter_count, load_network, log_peak, stage_data, start_weights_source  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    EMA, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState,
+    NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
+    adapter_count, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume, finish_run,
+    init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, training_dataset,
+    write_export,
+)
 
 
 def parse_args(argv=None):
@@ -197,7 +189,12 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
-    position, out = outputs(args, info, data, learner, metrics, source, precision)
+    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
+    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "lora", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
@@ -205,7 +202,7 @@ def main(argv=None):
     return train(args, info, position, data, learner, out)
 
 
-def outputs(args, info, data, learner, metrics, source, precision):
+def outputs(args, info, position, learner, metrics, source, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the adapters, their optimizer, their
     EMA, the metrics' wandb id); the adapters (their EMA if on) in diffusers' LoRA format, naming the base
     (`source`); sample grids and the validation loss of the model with them."""
@@ -218,9 +215,6 @@ def outputs(args, info, data, learner, metrics, source, precision):
         "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": model.config.to_dict(),
         "components": components.spec, "sampling": sampling, "base": base, "args": vars(args)},
         SAVE_DTYPES[args.save_dtype])
-    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        args.num_workers)
-    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("lora", {"kind": "lora", "base": base}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
@@ -232,7 +226,7 @@ def outputs(args, info, data, learner, metrics, source, precision):
                                            (args.lora_rank, resolve_targets(args.lora_targets)), info.device,
                                            precision.autocast)
     metrics.log(line)
-    return position, Outputs(metrics, previews, checkpointer, export, throughput)
+    return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
 def accumulate(args, batches, learner, generator, throughput):

@@ -5,7 +5,7 @@
     python trainer/train_pretrain.py --data my_images/ --resolution 64 --preset small
     python trainer/train_pretrain.py --base /models/sd3-medium --preset base --data my_images/ --resolution 256
 
-It trains the flow-matching loss (trainer/flow_matching.py) with AdamW, a warmup and a cosine decay, and keeps an
+It trains the flow-matching loss (model/rectified_flow.py) with AdamW, a warmup and a cosine decay, and keeps an
 EMA of the weights; the recipe's values are parse_args' set_defaults. Writes out/pretrain_<preset>.json and the
 files it names (weights for sampling and fine-tuning; a v-prediction model also as a diffusers transformer in
 out/pretrain_<preset>/transformer/), sample grids in out/samples/, metrics in out/pretrain_<preset>_metrics.jsonl,
@@ -14,6 +14,8 @@ continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
+The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
+target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
 import math
 import os
@@ -23,34 +25,21 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.image_folder import CaptionOptions  # noqa: E402
-from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
-from dataset.training_data import DataSettings  # noqa: E402
 from model.components import new_components, transformer_widths  # noqa: E402
-from model.errors import run_main  # noqa: E402
-from model.loading import meta_model  # noqa: E402
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines  # noqa: E402
 from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
-from model.precision import StagePrecision, run_precision, torch_dtype  # noqa: E402
-from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
-from model.token_routing import TokenRouting  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
 from model.weights import WeightsExport, check_export, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
-from trainer.checkpointer import Checkpointer, checkpoint_stem  # noqa: E402
-from trainer.distributed import init_distributed, mean_and_any, sync_gradients  # noqa: E402
-from trainer.ema import EMA  # noqa: E402
-from trainer.flow_matching import FlowLearner, FlowRecipe, flow_matching_loss  # noqa: E402
-from trainer.metrics import MetricsLog, Throughput  # noqa: E402
-from trainer.outputs import Outputs, finish_run, resume_run  # noqa: E402
-from trainer.parallel import NamedOptimizerState, data_parallel, to_item, write_export  # noqa: E402
-from trainer.position import Position  # noqa: E402
-from trainer.previews import Previews  # noqa: E402
-from trainer.resume import RunSpec, find_resume, resumed_dtype  # noqa: E402
-from trainer.startup import log_peak, stage_data  # noqa: E402
-from trainer.trainer_utils import NonFiniteSteps, StopSignal, adamw, lr_at, set_lr  # noqa: E402
+from trainer.trainer_utils import (  # noqa: E402
+    EMA, GRAMMAR_WORDS, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog,
+    NamedOptimizerState, NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput,
+    TokenRouting, adamw, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume, finish_run,
+    init_distributed, log_peak, lr_at, mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, stage_data, sync_gradients, to_item, torch_dtype, write_export,
+)
 
 
 def parse_args(argv=None):
@@ -157,13 +146,18 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
-    position, out = outputs(args, info, data, learner, metrics, precision)
+    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
+    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
+                        args.num_workers)
+    position.plan(args.max_steps, args.epochs)
+    out = outputs(args, info, position, learner, metrics, precision)
     resume_run(saved, out, "pretrain", model.parameters(), info)  # a resume that does not fit the run: one line
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
     return train(args, info, position, data, learner, out)
 
 
-def outputs(args, info, data, learner, metrics, precision):
+def outputs(args, info, position, learner, metrics, precision):
     """What the run writes: the metrics; the resume checkpoint (the position, the model, its optimizers, the EMA,
     the metrics' wandb id); the EMA weights (else the raw ones) in --save_dtype, and for v-prediction a diffusers
     folder; sample grids and the validation loss of those weights."""
@@ -175,9 +169,6 @@ def outputs(args, info, data, learner, metrics, precision):
         "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": model.config.to_dict(),
         "components": components.spec, "sampling": sampling, "args": vars(args)},
         SAVE_DTYPES[args.save_dtype], args.export_pipeline, args.export_single_file)
-    position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
-                        args.num_workers)
-    position.plan(args.max_steps, args.epochs)
     spec = RunSpec("pretrain", {"kind": "full"}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
@@ -187,7 +178,7 @@ def outputs(args, info, data, learner, metrics, precision):
     throughput, line = Throughput.of_model(model, components, learner.recipe.routing, None, info.device,
                                            precision.autocast)
     metrics.log(line)
-    return position, Outputs(metrics, previews, checkpointer, export, throughput)
+    return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
 def accumulate(args, batches, learner, generator, throughput):

@@ -1,100 +1,77 @@
-"""The small mechanics every training stage's loop calls, each doing one thing: stop signals, the learning rate at a
-step, the skip of a step that is not finite, random states and nested state trees. Their neighbours, each a
-module with one job: trainer/distributed.py (processes), position.py (where a run is in its data), ema.py,
-checkpointer.py (saves and resume), resume.py (whether a checkpoint fits the run), metrics.py (the metrics file,
-progress bar, wandb), previews.py (sample grids, validation). Nothing here computes a loss or steps an optimizer:
-the stage script does, and it says which optimizer it builds (adamw gives AdamW, fused, or torchao's 8-bit one).
+"""The door a stage script comes in by: everything it calls around its loop, and nothing it must open to read how
+it trains. The loop's own torch calls (the loss, backward, clipping, the optimizer's step) stay in the stage.
+
+    start a run     init_distributed -> info; MetricsLog (the log, metrics file, progress bar, wandb); find_resume
+                    (the resume checkpoint asked for, read and verified, or None); run_precision
+    its data        stage_data (the data, its cache, the grids' prompts, the validation images); ready_data
+    its weights     start_weights_source, load_network, adapter_count; fit_memory (the estimate, and the blocks
+                    recomputed in backward); data_parallel (DDP or FSDP2 shards); adamw; EMA
+    its outputs     Position (where the run is in its data), Checkpointer + RunSpec (the resume checkpoint),
+                    Previews (sample grids, validation loss), Throughput (FLOPs, MFU), Outputs
+    resume          resume_run: the run continued where its checkpoint left off, or started
+    the schedule    lr_at (below: warmup, then cosine decay, at the run's position) and set_lr
+    a step          sync_gradients (the accumulation's sync decision), mean_and_any (the step's one all-reduce),
+                    to_item, NonFiniteSteps (the skip of a step that is not finite)
+    save            Checkpointer.save, write_export (what other tools read)
+    stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
+
+What these call lives below, in trainer/mechanics/: distributed.py (processes, DDP and FSDP, state in any layout),
+checkpointer.py (saves and resume, DCP shards), position.py, metrics.py, previews.py, ema.py, optimizers.py,
+signals.py, state.py. A stage does not import them; nothing there imports this module.
 """
-import contextlib
 import math
-import multiprocessing
-import os
 import signal
-import threading
-import time
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
-from model.errors import UserError
-from model.precision import import_torchao
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Stop signals
-
-
-STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
-# torchrun's agent passes the signal it got on to each rank: where every process of a job was signalled (Slurm
-# signals a job's processes, `kill` may be given every group), a rank gets the stop twice, so under torchrun a
-# second SIGINT this soon after the first is that copy
-FORWARDED_SECONDS = 2.0
-
-
-class StopSignal:
-    """SIGTERM and SIGINT (what schedulers send before pre-emption, and Ctrl-C) only set `received`: the loop
-    saves at the next step boundary and returns, so every rank exits 0. A second Ctrl-C stops at once (under
-    torchrun, one FORWARDED_SECONDS or more after the first)."""
-
-    def __init__(self):
-        self.received, self.previous, self.at = None, {}, 0.0
-        self.forwarded = FORWARDED_SECONDS if "TORCHELASTIC_RUN_ID" in os.environ else 0.0
-
-    def handle(self, signum, frame):
-        if self.received is None:
-            self.received, self.at = signum, time.monotonic()
-        elif signum == signal.SIGINT == self.received and time.monotonic() - self.at >= self.forwarded:
-            raise KeyboardInterrupt
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for signum in STOP_SIGNALS:
-                self.previous[signum] = signal.signal(signum, self.handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+from dataset.image_folder import CaptionOptions
+from dataset.training_data import (
+    DataSettings, check_image_sizes, epoch_samples, features_to_train_on, sample_prompts_for, split_validation,
+    training_dataset, validation_data, warn_truncated,
+)
+from dataset.shapes import GRAMMAR_WORDS
+from eval.eval_loss import encode_heldout
+from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
+from model.errors import UserError, run_main
+from model.loading import meta_model
+from model.memory import MemoryPlan, auto_checkpointing, estimate_lines, peak_rss
+from model.model_lora import apply_lora, is_lora_file
+from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler
+from model.token_routing import TokenRouting
+from model.weights import WEIGHT_STAGES, diffusers_source, load_transformer, run_name, weights_source
+from trainer.mechanics.checkpointer import (
+    Checkpointer, RunSpec, checkpoint_stem, find_resume, resume_lines, resumed_dtype,
+)
+from trainer.mechanics.distributed import (
+    NamedOptimizerState, data_parallel, init_distributed, leave_together, mean_and_any, sync_gradients, to_item,
+    write_export,
+)
+from trainer.mechanics.ema import EMA
+from trainer.mechanics.metrics import MetricsLog, Throughput
+from trainer.mechanics.optimizers import StepInBackward, adamw, check_step_in_backward
+from trainer.mechanics.position import Position
+from trainer.mechanics.previews import Previews, step_zero
+from trainer.mechanics.signals import StopSignal
 
 
-@contextlib.contextmanager
-def stop_signals_held():
-    """Hold SIGTERM and SIGINT while data loader workers start: they begin with both blocked (a signal to the whole
-    process group would otherwise find a worker before its worker_init_fn has run), and this process gets them, as
-    a StopSignal, once the workers have started."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks (and no fork)
-        yield
-        return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
-
-
-def leave_stopping_to_the_main_process(worker_id):
-    """A data loader worker's start: a stop signalled to the whole process group (Ctrl-C, `timeout`,
-    `kill -- -PGID`, a scheduler) reaches the workers too, and a worker that died of it made the main process fail
-    wherever it was, in the middle of a save too. A worker ignores SIGINT, and SIGTERM but the trainer's (the
-    loader ending a worker that did not stop), which it answers as torch's own handler does, by leaving quietly.
-    (Processes a dataset starts in a worker inherit SIGTERM blocked.)"""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not hasattr(signal, "sigwaitinfo"):  # macOS: no sender to tell apart; torch's handler, a group's SIGTERM
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # ends the worker as before
-        return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # blocked since the fork, kept so
-    trainer = multiprocessing.parent_process()  # (under forkserver the OS parent is not the trainer)
-    threading.Thread(target=exit_on_sigterm_from, args=(trainer.pid if trainer else os.getppid(),),
-                     daemon=True).start()
-
-
-def exit_on_sigterm_from(trainer):
-    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != trainer:
-        pass
-    os._exit(0)  # what torch's worker handler does on its parent's SIGTERM: no clean-up, no message
+@dataclass(frozen=True)
+class FlowLearner:
+    """What a flow-matching stage's loop trains: the model, and the model as its processes train it (`train_model`:
+    DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), and what its loss
+    reads (the components and the recipe)."""
+    model: torch.nn.Module
+    train_model: torch.nn.Module
+    optimizers: list
+    ema: object
+    components: object
+    recipe: FlowRecipe
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A step: its learning rate, the guard against one that is not finite
+# The schedule: the learning rate at a step
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
@@ -103,18 +80,6 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
         return base_lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def adamw(params, lr, weight_decay, eight_bit=False, bf16_rounding=None):
-    """AdamW over `params`: torch's, fused (one kernel for all parameters, on a CPU too), or with `eight_bit`
-    torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8). For bf16 weights (`bf16_rounding`:
-    "stochastic" or "nearest"), torchao's, which computes each update in fp32 and rounds it to bf16 as asked."""
-    params = list(params)
-    if bf16_rounding is None and not eight_bit:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-    optim = import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16").optim
-    kind = optim.AdamW8bit if eight_bit else optim._AdamW  # _AdamW: torchao's AdamW for low-precision weights
-    return kind(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16_rounding == "stochastic")
 
 
 def set_lr(optimizer, lr):
@@ -126,6 +91,10 @@ def set_lr(optimizer, lr):
             else:
                 group["lr"] = lr
     return lr
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A step: the skip of one that is not finite
 
 
 class NonFiniteSteps:
@@ -172,71 +141,150 @@ def stop_message(received, step):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Random states, state trees
+# Start: the data, the weights, the peak memory
 
 
-def rng_state(generator, device):
-    """This process's random streams: the training generator (sigmas, noise, caption dropout) and torch's own."""
-    return {"train": generator.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+@dataclass(frozen=True)
+class StageData:
+    """What a stage's steps read (the cache when it is on; None after --cache_only), the grids' prompts, and the
+    validation images: held out (a dataset, or None), and encoded on the ranks that score them (`validation`:
+    eval/eval_loss.encode_heldout's batches, else None)."""
+    dataset: object
+    prompts: list
+    held_out: object = None
+    validation: list = None
 
 
-def set_rng_state(state, generator, device):
-    generator.set_state(state["train"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+def stage_data(settings, components, config, info, batch_size, log, prior=None):
+    """--data as an epoch shows it (with the `prior` dataset beside it: LoRA's prior data), the grids' prompts (a
+    file's, the built-in data's own, or captions of the user's data) and the validation images (--val_data, or
+    --val_fraction of --data held out), made ready for the steps (ready_data). `settings`: DataSettings."""
+    dataset, held_out = split_validation(settings, training_dataset(settings, components, config.patch_size, log))
+    prompts = sample_prompts_for(dataset, settings.sample_prompts)
+    dataset = epoch_samples(settings, [dataset] + ([prior] if prior is not None else []), log)
+    data = StageData(dataset, prompts, validation_data(settings, held_out, log))
+    return ready_data(settings, data, components, config, info, batch_size, log)
 
 
-def leaves(tree, path=()):
-    """-> {path: tensor} of every tensor in a nested dict/list state (path: the keys on the way, as a tuple)."""
-    if isinstance(tree, torch.Tensor):
-        return {path: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
-    return {p: t for key, sub in items for p, t in leaves(sub, path + (key,)).items()}
+def ready_data(settings, data, components, config, info, batch_size, log):
+    """`data` (StageData) made ready for the steps: every image size checked against the model (one with no
+    memory, on the meta device), the validation images encoded in batches of `batch_size` while the text encoders
+    are in memory, on the ranks that score them, and the cache built (the text encoders then freed)."""
+    check_image_sizes(settings.resolution, data.dataset, meta_model(config), components)
+    validation = None
+    if data.held_out is not None and (info.is_main or info.sharded):
+        validation = encode_heldout(components, data.held_out, settings.val_samples, batch_size, info.device)
+    dataset = features_to_train_on(settings, data.dataset, components, data.prompts, info, log)
+    return replace(data, dataset=dataset, validation=validation)
 
 
-def map_leaves(tree, fn, path=()):
-    """The same nested state with each tensor replaced by fn(path, tensor)."""
-    if isinstance(tree, torch.Tensor):
-        return fn(path, tree)
-    if isinstance(tree, dict):
-        return {k: map_leaves(v, fn, path + (k,)) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(map_leaves(v, fn, path + (i,)) for i, v in enumerate(tree))
-    return tree
+def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
+    """The weights a fine-tune starts from (weights_source): `from_weight` is a stage name in out_dir ('pretrain'
+    means pretrain_<preset>), a path, or 'base' (the transformer of the SD3 folder `base`). They must be of
+    `preset`, and predict `prediction` if it is given (None: whatever they predict)."""
+    if is_lora_file(from_weight):
+        raise UserError(f"--from_weight {from_weight} is a LoRA file (adapters, not whole weights): pass the weights "
+                        "it was trained on, and apply it when sampling (eval/eval_sample.py --lora)")
+    if from_weight == "base":
+        if not base:
+            raise UserError("--from_weight base needs --base, the diffusers SD3 folder whose transformer to start from")
+        if not diffusers_transformer_dir(base):
+            raise UserError(f"{base} holds no diffusers transformer (transformer/config.json and "
+                            f"{DIFFUSERS_WEIGHTS} or its shards)")
+        source = diffusers_source(base, base)
+    else:
+        name = run_name(from_weight, preset) if from_weight in WEIGHT_STAGES else from_weight
+        source = weights_source(name, out_dir, base=base)
+    where = source["manifest"]
+    if source["preset"] != preset:
+        raise UserError(f"--from_weight {where} holds '{source['preset']}' weights, not --preset {preset}: "
+                        f"pass --preset {source['preset']} or weights of preset {preset}")
+    if prediction not in (None, source["prediction"]):
+        raise UserError(f"--from_weight {where} predicts {source['prediction']}, not --prediction {prediction}: "
+                        "a fine-tune keeps its weights' prediction (leave --prediction unset)")
+    return source
 
 
-def to_cpu(obj):
-    """A nested state with every tensor on the CPU (what a resume file holds)."""
-    return map_leaves(obj, lambda path, tensor: tensor.detach().cpu())
+def load_network(source, role, frozen_dtype, info, trained_dtype="fp32"):
+    """The transformer of `source` (start_weights_source's) as `role` says: "trained" in `trained_dtype` (fp32, or
+    bf16 for --trained_dtype bf16), "frozen" in `frozen_dtype` (int8: quantised block by block as it loads) with
+    no weight requiring grad, on info's device; in a sharded run on rank 0's CPU and the other ranks' meta device,
+    for rank 0's weights to fill the shards."""
+    frozen = role == "frozen"
+    int8 = frozen and frozen_dtype == "int8"
+    return load_transformer(source, torch_dtype(frozen_dtype if frozen else trained_dtype), info.load_device,
+                            meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
+                            frozen=frozen)
 
 
-def fresh_like(tensor):
-    """A tensor to read `tensor` back into: empty, of its type and layout. torchao's 8-bit optimizer state (a
-    tensor subclass of codes, scales and a code map; a DTensor's local part under FSDP) has no empty_like: it is
-    rebuilt from empty codes and scales, keeping its code map, a constant a load does not write."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if isinstance(tensor, DTensor):
-        return DTensor.from_local(fresh_like(tensor.to_local()), tensor.device_mesh, tensor.placements,
-                                  run_check=False, shape=tensor.shape, stride=tensor.stride())
-    if not is_traceable_wrapper_subclass(tensor):
-        return torch.empty_like(tensor)
-    names, context = tensor.__tensor_flatten__()
-    inner = {name: getattr(tensor, name).clone() if name == "qmap" else fresh_like(getattr(tensor, name))
-             for name in names}
-    return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+def adapter_count(config, targets, rank, alpha):
+    """The trainable parameters LoRA adapters of `rank` (and `alpha`) on `targets` put on a transformer of
+    `config`, counted on one with no memory (the meta device): a bad target is one line before any weight is
+    read."""
+    probe = meta_model(config).requires_grad_(False)
+    try:
+        apply_lora(probe, targets, rank, alpha)
+    except ValueError as e:
+        raise UserError(f"--lora_targets {targets}: {e}") from None
+    return sum(p.numel() for p in probe.parameters() if p.requires_grad)
 
 
-def chunk_of(tensor):
-    """(offsets, sizes) of the part of `tensor` this process holds: a DTensor's shard, or all of it."""
-    from torch.distributed.tensor import DTensor
+def log_peak(info, what, log):
+    """Each process's peak memory so far, measured, beside the estimate: on a GPU what torch allocated and what its
+    allocator reserved (what the GPU lost to the run: allocated plus what it keeps cached); on a CPU resident."""
+    if info.device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(info.device), torch.cuda.max_memory_reserved(info.device))
+    else:
+        peak = (peak_rss(),)
+    peaks = [peak]
+    if info.world_size > 1:
+        peaks = [None] * info.world_size
+        dist.all_gather_object(peaks, peak)
+    shown = ", ".join(" / ".join(f"{p / 2 ** 30:.2f}" for p in each) for each in peaks)
+    how = " (allocated / reserved)" if info.device.type == "cuda" else ""
+    log(f"peak memory after {what}: {shown} GiB{how} (by rank)")
 
-    if not isinstance(tensor, DTensor):
-        return (0,) * tensor.dim(), tuple(tensor.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(offset), tuple(shape)
+# ----------------------------------------------------------------------------------------------------------------
+# What a run writes; its start from a resume, and its end
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """A run's log and metrics (MetricsLog), its sample grids and validation loss (Previews), its resume checkpoint
+    (Checkpointer, holding the position and the named objects) and what other tools read (`export`:
+    model/weights.WeightsExport or model/model_lora.LoRAExport), and the FLOPs and peak its MFU is counted from
+    (metrics.Throughput)."""
+    metrics: MetricsLog
+    previews: Previews
+    checkpointer: Checkpointer
+    export: object
+    throughput: Throughput
+
+
+def resume_run(saved, out, stage, parameters, info):
+    """Start the run where `saved` (the resume checkpoint, or None: a fresh run) left off: checked against the run
+    (check_resume in trainer/mechanics/checkpointer.py: a misfit is one line), the position and every named object
+    restored; then the lines that say so and what trains (`parameters`, of `stage`), and the metrics opened from
+    that step (rows past it dropped, wandb's run continued)."""
+    position, checkpointer = out.checkpointer.position, out.checkpointer
+    notes = resume_lines(saved, checkpointer.spec, position, checkpointer.stem)
+    checkpointer.restore(saved)
+    for line in notes + [run_line(stage, parameters, position, info)]:
+        out.metrics.log(line)
+    out.metrics.open(position.step, position.step + position.steps_left, saved is not None)
+
+
+def finish_run(out, components, info, stopped, received):
+    """The run's end: the progress bar and wandb closed, the data loader let go, every process waiting for the
+    others (rank 0 may still be writing), the captions CLIP cut short counted, and the last line: where the output
+    is, or, for a run a stop signal ended (`stopped`; `received`: this process's signal, None if another's), how to
+    continue it."""
+    out.metrics.close()
+    out.checkpointer.position.close()
+    leave_together(info)
+    log_peak(info, "the run", out.metrics.log)
+    warn_truncated(components, info, out.metrics.log)
+    position = out.checkpointer.position
+    out.metrics.log(stop_message(received, position.step) if stopped else
+                    f"done: {out.export.output} (step {position.step})")

@@ -23,9 +23,8 @@ from dataset.buckets import bucket_layout
 from dataset.samplers import BucketSampler, make_sampler
 from dataset.samples import epoch_view
 from model.errors import UserError
-from trainer.trainer_utils import (
-    leave_stopping_to_the_main_process, rng_state, set_rng_state, stop_signals_held, to_cpu,
-)
+from trainer.mechanics.signals import leave_stopping_to_the_main_process, stop_signals_held
+from trainer.mechanics.state import rng_state, set_rng_state, to_cpu
 
 
 def data_workers(requested, device):

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from model.checkpoint import DISK_ERRORS, CheckpointError, SaveError, save_failed, state_bytes, stem_of
 from model.file_io import file_entry, tensors_equal
-from trainer.trainer_utils import chunk_of, fresh_like, leaves, map_leaves
+from trainer.mechanics.state import chunk_of, fresh_like, leaves, map_leaves
 
 MARK = "__dcp__"  # {MARK: name} stands in the resume file for a tensor kept in the shards
 VERIFY_BYTES = 1 << 28  # read back at most this many bytes (256 MiB) per process at a time

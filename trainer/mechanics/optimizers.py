@@ -1,4 +1,7 @@
-"""The optimizer step fused into backward (--step_in_backward 1): each parameter is stepped, and its gradient freed,
+"""The optimizers a stage builds: AdamW, fused or torchao's 8-bit one (adamw); and the optimizer step fused into
+backward (StepInBackward, --step_in_backward 1).
+
+The optimizer step fused into backward (--step_in_backward 1): each parameter is stepped, and its gradient freed,
 as soon as backward has accumulated it, so the whole model's gradients never exist at once (PyTorch's recipe,
 Tensor.register_post_accumulate_grad_hook; kohya's --fused_backward_pass). A full fine-tune then holds its weights
 and optimizer state, plus a few gradients.
@@ -15,7 +18,19 @@ gradient to that norm instead. A gradient that is not finite skips its parameter
 import torch
 
 from model.errors import UserError
-from trainer.trainer_utils import adamw
+from model.precision import import_torchao
+
+
+def adamw(params, lr, weight_decay, eight_bit=False, bf16_rounding=None):
+    """AdamW over `params`: torch's, fused (one kernel for all parameters, on a CPU too), or with `eight_bit`
+    torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8). For bf16 weights (`bf16_rounding`:
+    "stochastic" or "nearest"), torchao's, which computes each update in fp32 and rounds it to bf16 as asked."""
+    params = list(params)
+    if bf16_rounding is None and not eight_bit:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    optim = import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16").optim
+    kind = optim.AdamW8bit if eight_bit else optim._AdamW  # _AdamW: torchao's AdamW for low-precision weights
+    return kind(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16_rounding == "stochastic")
 
 
 def check_step_in_backward(accumulation_steps, world_size):
