@@ -1,9 +1,9 @@
 """What a stage trains on: `--data` as a dataset (aspect-ratio buckets for user images), the sample grids' prompts,
 the check that every image size fits the model, the validation images, and the cache of encoded features
-(dataset/cache.py) that training reads instead of the images (trainer/startup.py's stage_data puts them together).
+(dataset/cache.py) that training reads instead of the images (trainer/trainer_utils.py's stage_data puts them together).
 
 The glue takes DataSettings, what a stage's arguments say of its data, which the stage builds; `info` is the
-process's rank, world size and device (trainer/distributed.DistInfo).
+process's rank, world size and device (trainer/mechanics/distributed.DistInfo).
 """
 import os
 import re

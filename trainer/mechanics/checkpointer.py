@@ -1,7 +1,7 @@
 """The Checkpointer saves and resumes a run's resume checkpoint, and does nothing else:
 
     stem = checkpoint_stem(args.save_dir, name)
-    saved = find_resume(args.from_resume, stem, info)     # trainer/mechanics/checkpointer.py: read and verified, or None
+    saved = find_resume(args.from_resume, stem, info)     # below: read and verified, or None
     ...
     checkpointer = Checkpointer(stem, info, spec, position, {"model": model, "optimizer": ..., "ema": ema})
     checkpointer.restore(saved)                           # a fresh run: nothing to restore (trainer_utils.resume_run)
@@ -9,12 +9,12 @@
     if position.step % args.save_interval == 0 or ...:
         written = checkpointer.save()
 
-It holds the run's position (trainer/mechanics/position.py) and its named objects, anything with state_dict() and
-load_state_dict() (networks, optimizers, EMAs, the metrics' wandb id), the run's spec (trainer/mechanics/checkpointer.RunSpec:
-what a resume compares) and every rank's random streams. The stage decides when to save, and writes what other
-tools read (the exported weights) itself. Only rank 0 writes, except in a sharded run (--fsdp 1), where every rank
-writes its shards of the named objects (trainer/mechanics/sharded_checkpoint.py) and rank 0 the rest; the manifest commits
-them all (model/checkpoint.py).
+It holds the run's position (trainer/mechanics/position.py) and its named objects, anything with state_dict()
+and load_state_dict() (networks, optimizers, EMAs, the metrics' wandb id), the run's spec (RunSpec, below: what a
+resume compares) and every rank's random streams. The stage decides when to save, and writes what other tools
+read (the exported weights) itself. Only rank 0 writes, except in a sharded run (--fsdp 1), where every rank
+writes its shards of the named objects (trainer/mechanics/sharded_checkpoint.py) and rank 0 the rest; the
+manifest commits them all (model/checkpoint.py).
 
 Finding a resume checkpoint (every process reads it, all stop together if one cannot) and checking that it can
 continue this run: the same stage, what is trained, the identity arguments; recipe changes only when forced. What

@@ -50,7 +50,8 @@ class DistInfo:
     @property
     def load_device(self):
         """Where rank 0 loads (or draws) a network: the run's device, or under FSDP the CPU, from where each tensor
-        is broadcast into every rank's shards (trainer/mechanics/distributed.py): no GPU holds a whole network it only shards."""
+        is broadcast into every rank's shards (data_parallel, below): no GPU holds a whole network it only
+        shards."""
         return torch.device("cpu") if self.sharded else self.device
 
 
