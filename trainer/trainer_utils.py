@@ -127,8 +127,8 @@ def run_line(stage, parameters, position, info):
     """One line: what trains (`parameters`, each counted once), on how much data, in how many steps, on how many
     processes."""
     count = sum({id(p): p.numel() for p in parameters}.values())
-    how = f"FSDP over mesh {tuple(info.mesh.shape)}" if info.sharded else \
-        "DDP" if info.world_size > 1 else "one process"
+    how = (f"FSDP over mesh {tuple(info.mesh.shape)}" if info.sharded else
+           "DDP" if info.world_size > 1 else "one process")
     return (f"{stage}: {count / 1e6:.1f}M trainable parameters, {len(position.dataset)} samples, global batch "
             f"{position.global_batch}, {position.step + position.steps_left} steps, {info.world_size} process(es) "
             f"on {info.device.type} ({how})")
