@@ -40,10 +40,9 @@ from trainer.distillation import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, PREDICTIONS, CaptionOptions, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState,
     NonFiniteSteps, Outputs, Position, Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput,
-    TokenRouting, UserError, adamw, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume,
-    finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main,
-    run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype,
-    write_export,
+    TokenRouting, UserError, adamw, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, write_export,
 )
 
 
@@ -188,9 +187,7 @@ def main(argv=None):
         return None
     plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,
                       args.batch_size, args.resolution, args.gradient_checkpointing)
-    plan = auto_checkpointing(config, plan, components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        metrics.log(line)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
     nets = networks(args, source, info, precision, metrics.log, plan.checkpointing)
 
     # AdamW for the generator, the fake score and the GAN head; the generator's EMA is what is exported

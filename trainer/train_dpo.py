@@ -51,10 +51,10 @@ from trainer.preference import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, PREDICTIONS, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
     Outputs, Position, Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting,
-    UserError, adamw, adapter_count, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume,
-    finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype,
-    run_main, run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype,
-    validation_data, write_export,
+    UserError, adamw, adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main,
+    run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data,
+    write_export,
 )
 
 
@@ -194,9 +194,7 @@ def main(argv=None):
     plan = MemoryPlan((adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank
                       else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device,
                       2 * args.batch_size, args.resolution, args.gradient_checkpointing)  # a pair: two images forward
-    plan = auto_checkpointing(config, plan, components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        metrics.log(line)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
     model, reference = policy(args, source, precision, info, plan.checkpointing)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "

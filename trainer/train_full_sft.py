@@ -35,10 +35,9 @@ from trainer.arguments import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState,
     NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StepInBackward, StopSignal, Throughput,
-    TokenRouting, adamw, auto_checkpointing, check_step_in_backward, checkpoint_stem, data_parallel, estimate_lines,
-    find_resume, finish_run, init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype,
-    run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item,
-    torch_dtype, write_export,
+    TokenRouting, adamw, check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, write_export,
 )
 
 
@@ -141,9 +140,7 @@ def main(argv=None):
     data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = auto_checkpointing(config, memory_plan(args), components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        metrics.log(line)
+    plan = fit_memory(config, memory_plan(args), components, precision, info, metrics.log)
     model = load_network(source, "trained", precision.frozen, info, precision.trained)
     model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)

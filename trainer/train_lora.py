@@ -42,10 +42,9 @@ from trainer.arguments import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState,
     NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
-    adapter_count, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume, finish_run,
-    init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision,
-    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, training_dataset,
-    write_export,
+    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
+    load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr,
+    stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, training_dataset, write_export,
 )
 
 
@@ -168,9 +167,7 @@ def main(argv=None):
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = auto_checkpointing(config, memory_plan(args, config), components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        metrics.log(line)
+    plan = fit_memory(config, memory_plan(args, config), components, precision, info, metrics.log)
     model = load_network(source, "frozen", precision.frozen, info)
     apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.gradient_checkpointing = plan.checkpointing

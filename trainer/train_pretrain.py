@@ -36,9 +36,9 @@ from trainer.arguments import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, GRAMMAR_WORDS, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog,
     NamedOptimizerState, NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput,
-    TokenRouting, adamw, auto_checkpointing, checkpoint_stem, data_parallel, estimate_lines, find_resume, finish_run,
-    init_distributed, log_peak, lr_at, mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision,
-    set_lr, stage_data, sync_gradients, to_item, torch_dtype, write_export,
+    TokenRouting, adamw, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
+    log_peak, lr_at, mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data,
+    sync_gradients, to_item, torch_dtype, write_export,
 )
 
 
@@ -129,9 +129,7 @@ def main(argv=None):
         return 0
     plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
                       args.resolution, args.gradient_checkpointing)
-    plan = auto_checkpointing(config, plan, components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        metrics.log(line)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
     # rank 0 draws the weights (on the CPU in a sharded run, whose other ranks hold none: rank 0's fill the shards)
     model = meta_model(config) if info.sharded and not info.is_main else SD3Light(config).to(info.load_device)
     model.gradient_checkpointing = plan.checkpointing

@@ -229,6 +229,16 @@ def adapter_count(config, targets, rank, alpha):
     return sum(p.numel() for p in probe.parameters() if p.requires_grad)
 
 
+def fit_memory(config, plan, components, precision, info, log):
+    """The run's memory plan (MemoryPlan) with --gradient_checkpointing auto resolved to the fewest blocks that fit
+    the device, and its estimate logged (model/memory.py) -> the plan (`plan.checkpointing`: what the model
+    recomputes in backward)."""
+    plan = auto_checkpointing(config, plan, components, precision, info)
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    return plan
+
+
 def log_peak(info, what, log):
     """Each process's peak memory so far, measured, beside the estimate: on a GPU what torch allocated and what its
     allocator reserved (what the GPU lost to the run: allocated plus what it keeps cached); on a CPU resident."""
