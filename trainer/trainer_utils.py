@@ -75,7 +75,10 @@ class FlowLearner:
 
 
 def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
-    """Linear warmup, then cosine decay to min_lr_ratio * base_lr. `step` counts from 0."""
+    """Linear warmup, then cosine decay to min_lr_ratio * base_lr. `step`: the steps done, counted from 0 (the
+    stages pass position.progress: the samples seen over the run's first global batch, so a resume on another
+    number of processes keeps the schedule); `total_steps`: the schedule's length (position.plan_steps:
+    --max_steps, or --epochs times the steps one epoch of the data makes at that global batch)."""
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
