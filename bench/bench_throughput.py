@@ -151,7 +151,7 @@ def recomputed(settings, resolution):
 
 def optimizer_for(settings, params):
     """AdamW in one fused kernel for fp32 adapters; torchao's 8-bit AdamW with stochastic bf16 rounding for the
-    full fine-tune's bf16 weights (the stages' choices: trainer_utils.adamw)."""
+    full fine-tune's bf16 weights (the stages' choices: trainer/mechanics/optimizers.adamw)."""
     if settings.step == "sft":
         return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=1e-5, bf16_stochastic_round=True)
     return torch.optim.AdamW(params, lr=1e-4, fused=True)

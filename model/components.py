@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from model.clip_text import CLIPText
 from model.errors import UserError
-from model.rectified_flow import to_device
+from model.token_routing import to_device
 
 
 class PixelAutoencoder(nn.Module):

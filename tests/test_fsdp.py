@@ -348,8 +348,7 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.mechanics.distributed import DistInfo
-    from trainer.mechanics.distributed import data_parallel, gathered, to_item
+    from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
     from trainer.trainer_utils import NonFiniteSteps
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)

@@ -14,12 +14,11 @@ import trainer.train_pretrain as train_pretrain
 from model import memory
 from model.components import SD3Components
 from model.precision import StagePrecision, resolve_dtype, resolve_frozen_dtype, run_precision, use_tf32
-from model.rectified_flow import to_device
+from model.token_routing import to_device
 from trainer import trainer_utils
 from trainer.mechanics import distributed
-from trainer.mechanics.distributed import DistInfo, init_distributed, mean_and_any
+from trainer.mechanics.distributed import DistInfo, data_parallel, init_distributed, mean_and_any
 from trainer.mechanics.ema import EMA
-from trainer.mechanics.distributed import data_parallel
 from trainer.mechanics.position import data_workers
 
 from tests.scripts import run_in_process
@@ -144,7 +143,7 @@ def test_under_fsdp_rank_0_loads_on_the_cpu_and_shards_from_there(tmp_path, pret
         model = trainer_utils.load_network(source, role, "fp32", sharded)
         assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
         other = trainer_utils.load_network(source, role, "fp32", DistInfo(rank=1, device=torch.device("meta"),
-                                                                    mesh=object()))
+                                                                          mesh=object()))
         assert all(t.is_meta for t in other.state_dict().values())
 
 

@@ -6,8 +6,7 @@ import torch
 import trainer.train_full_sft as train_full_sft
 from model.checkpoint import first_difference, read_manifest
 from model.errors import UserError
-from trainer.mechanics.optimizers import StepInBackward
-from trainer.mechanics.optimizers import adamw
+from trainer.mechanics.optimizers import StepInBackward, adamw
 
 from tests.conftest import QUIET, final_state, narrow_tiny, pretrain_weights, run_stage, sft_export
 

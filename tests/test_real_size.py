@@ -52,9 +52,10 @@ def started(module, stage, roles, argv, adapt=None):
     resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    data = trainer_utils.stage_data(module.data_settings(args), components, SD3LightConfig.from_dict(source["transformer"]),
-                              info, args.batch_size, print)
-    nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen, info)
+    data = trainer_utils.stage_data(module.data_settings(args), components,
+                                    SD3LightConfig.from_dict(source["transformer"]), info, args.batch_size, print)
+    nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen,
+                                             info)
             for name, role in roles.items()}
     for name, role in roles.items():
         if role == "adapted":

@@ -24,8 +24,8 @@ from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
-from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas, to_device
-from model.token_routing import TokenRouting
+from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas
+from model.token_routing import TokenRouting, to_device
 
 
 DRAW_BATCH = 256  # images sampled at once while drawing a round

@@ -196,8 +196,7 @@ def main(argv=None):
                   for name, net in trained.items() if net is not None}
     ema = EMA(nets.generator, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     learner = DistillLearner(nets, optimizers, ema, components, recipe)
-    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
-    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)

@@ -129,7 +129,7 @@ def pair_rounds(args, source, autocast):
 def pair_data(args, components, config, rounds, info, log):
     """The pairs (a pool the run fills from its own samples, for --pairs builtin on the built-in components, or a
     manifest's), their grid prompts and the validation images (--val_data), made ready for the steps: sizes
-    checked, validation encoded, the cache built when it is on (startup.ready_data)."""
+    checked, validation encoded, the cache built when it is on (trainer_utils.ready_data)."""
     if args.pairs != "builtin":
         pairs = PreferencePairs(args.pairs, args.resolution, log=log)
     elif components.spec["kind"] != "builtin":
@@ -160,9 +160,18 @@ def policy(args, source, precision, info, checkpointing):
     return model, reference
 
 
+def memory_plan(args, config):
+    """What the memory estimate weighs (model/memory.py): the adapters on a frozen transformer of `config` (a bad
+    --lora_targets: one line), or every weight and the frozen reference; AdamW on what trains, the EMA, and a
+    micro-batch of pairs (two images forward each)."""
+    trained = (adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank \
+        else ("trained", "frozen")
+    return MemoryPlan(trained, "adamw", args.ema_decay > 0, args.ema_device, 2 * args.batch_size, args.resolution,
+                      args.gradient_checkpointing)
+
+
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
-    (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed or started; the loop."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
@@ -191,10 +200,7 @@ def main(argv=None):
     data = pair_data(args, components, config, rounds, info, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = MemoryPlan((adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank
-                      else ("trained", "frozen"), "adamw", args.ema_decay > 0, args.ema_device,
-                      2 * args.batch_size, args.resolution, args.gradient_checkpointing)  # a pair: two images forward
-    plan = fit_memory(config, plan, components, precision, info, metrics.log)
+    plan = fit_memory(config, memory_plan(args, config), components, precision, info, metrics.log)
     model, reference = policy(args, source, precision, info, plan.checkpointing)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
@@ -212,8 +218,7 @@ def main(argv=None):
                        logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
                        autocast=precision.autocast, routing=routing)
     learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe)
-    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
-    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     workers = 0 if isinstance(data.dataset, PairPool) else args.num_workers  # a pool is read here (no stale copy)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         workers)

@@ -129,8 +129,7 @@ def main(argv=None):
     metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)
 
-    # The starting weights' record and components (their prediction and components are kept); the data and its
-    # cache (the text encoders then freed); the estimate; the weights
+    # The starting weights' record and components; the data and its cache (text encoders then freed); the weights
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
     # the token routing, checked now: a bad value is one line before any work
@@ -146,10 +145,9 @@ def main(argv=None):
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"starting from {source['manifest']} (step {source['step']}, predicts {prediction})")
 
-    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused: one kernel for
-    # all parameters; or 8-bit AdamW, 2 bytes a parameter of state instead of 8; bf16 weights: updates rounded
-    # stochastically), or with one AdamW per parameter stepped in backward (--step_in_backward 1); the EMA starts
-    # at the weights
+    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused, or 8-bit: 2 bytes
+    # of state a parameter instead of 8; bf16 weights: updates rounded stochastically), or with one AdamW per
+    # parameter stepped in backward (--step_in_backward 1); the EMA starts at the weights
     train_model = data_parallel(model, info, args.compile, precision.autocast)
     rounding = ("stochastic" if args.stochastic_rounding else "nearest") if args.trained_dtype == "bf16" else None
     eight_bit = args.optimizer == "adamw8bit"
@@ -163,8 +161,7 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
-    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
-    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)

@@ -144,8 +144,7 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
-    # The schedule: --max_steps steps, or --epochs of the data, in steps of the run's first global batch; the loop
-    # reads the learning rate at the run's position from lr_at (trainer/trainer_utils.py)
+    # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)

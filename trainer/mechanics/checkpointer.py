@@ -37,7 +37,6 @@ from trainer.mechanics.distributed import conform
 from trainer.mechanics.state import leaves
 
 
-
 def checkpoint_stem(save_dir, name):
     """Where the run `name` keeps its resume checkpoint: checkpoints/<run>_resume (.json, and the step's files)."""
     return os.path.join(save_dir, f"{name}_resume")
