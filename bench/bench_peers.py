@@ -43,14 +43,16 @@ TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_p
 TEXT_TOKENS = 154  # 77 CLIP + 77 T5 (the example's --max_sequence_length 77)
 
 
-def step_inputs(config, batch, resolution, steps, seed=0):
-    """The same inputs for every side: [(latents, text, pooled, sigmas, noise)] a step."""
+def step_inputs(config, batch, resolution, steps, seed=0, text_tokens=TEXT_TOKENS, shift=1.0):
+    """The same inputs for every side: [(latents, text, pooled, sigmas, noise)] a step, drawn on the CPU (sigmas
+    logit-normal, shifted by `shift`)."""
     g = torch.Generator().manual_seed(seed)
     side = resolution // 8
     return [(torch.randn(batch, config.in_channels, side, side, generator=g),
-             torch.randn(batch, TEXT_TOKENS, config.joint_attention_dim, generator=g),
+             torch.randn(batch, text_tokens, config.joint_attention_dim, generator=g),
              torch.randn(batch, config.pooled_projection_dim, generator=g),
-             sample_sigmas(batch, generator=g), torch.randn(batch, config.in_channels, side, side, generator=g))
+             sample_sigmas(batch, shift=shift, generator=g),
+             torch.randn(batch, config.in_channels, side, side, generator=g))
             for _ in range(steps)]
 
 

@@ -38,12 +38,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.bench_peers import TARGETS  # noqa: E402
+from bench.bench_peers import step_inputs as peer_inputs  # noqa: E402
 from model.flops import FlopCount, peak_flops  # noqa: E402
 from model.memory import GIB, MemoryPlan, fitted_checkpointing, kept_value_bytes  # noqa: E402
 from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
-from model.rectified_flow import add_noise, flow_loss, predict_velocity, sample_sigmas  # noqa: E402
+from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from model.token_routing import TokenRouting  # noqa: E402
 
 PRESET, RANK, TEXT_TOKENS, DOWNSCALE = "sd3.5-medium", 16, 333, 8  # 77 CLIP + 256 T5 tokens, SD3's VAE
@@ -113,9 +115,7 @@ def build_model(config, settings, device):
         model = SD3Transformer2DModel.from_config(config.to_dict()).to(device, torch.bfloat16).requires_grad_(False)
         if settings.checkpointing != "none":
             model.enable_gradient_checkpointing()
-        targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-                   "attn.add_v_proj", "attn.to_add_out"]
-        model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=targets))
+        model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, init_lora_weights="gaussian", target_modules=TARGETS))
         return PositionalCall(model.train()), [p for p in model.parameters() if p.requires_grad]
     with torch.device(device):
         model = SD3Light(config).to(torch.bfloat16)
@@ -158,13 +158,10 @@ def optimizer_for(settings, params):
 
 
 def step_inputs(config, batch, resolution, device, count, seed=0):
-    """`count` steps' inputs: (latents, text, pooled, sigmas, noise), on the CPU's generator then on `device`."""
-    g, side = torch.Generator().manual_seed(seed), resolution // DOWNSCALE
-    shapes = [(batch, config.in_channels, side, side), (batch, TEXT_TOKENS, config.joint_attention_dim),
-              (batch, config.pooled_projection_dim)]
-    return [[torch.randn(shape, generator=g).to(device) for shape in shapes] +
-            [sample_sigmas(batch, shift=3.0, generator=g).to(device), torch.randn(shapes[0], generator=g).to(device)]
-            for _ in range(count)]
+    """`count` steps' inputs: (latents, text, pooled, sigmas, noise), bench_peers' draws (sigmas shifted by 3, SD3.5's
+    own) on `device`."""
+    return [[t.to(device) for t in step]
+            for step in peer_inputs(config, batch, resolution, count, seed, text_tokens=TEXT_TOKENS, shift=3.0)]
 
 
 def train_step(model, params, optimizer, inputs, route, count=None):

@@ -118,9 +118,14 @@ def fitted_checkpointing(config, plan, memory_bytes, holding, latent, value_byte
     if plan.checkpointing != "auto":
         return plan
     frozen_dtype, shards, components_bytes, device_type = holding
-    fixed = sum(estimate(config, plan, frozen_dtype, shards, 0, components_bytes, device_type).values())
-    return replace(plan, checkpointing=fewest_recomputed(config, plan, AUTO_SHARE * memory_bytes - fixed, latent,
+    parts = estimate(config, plan, frozen_dtype, shards, 0, components_bytes, device_type)
+    return replace(plan, checkpointing=fewest_recomputed(config, plan, activation_room(parts, memory_bytes), latent,
                                                          value_bytes))
+
+
+def activation_room(parts, memory_bytes):
+    """What AUTO_SHARE of a device's `memory_bytes` leaves for activations beside the rest of `parts` (estimate)."""
+    return AUTO_SHARE * memory_bytes - (sum(parts.values()) - parts["activations"])
 
 
 def fewest_recomputed(config, plan, room, latent, value_bytes):
@@ -156,8 +161,7 @@ def estimate_lines(config, plan, components, precision, info):
     line += f"; blocks recomputed in backward: {blocks_recomputed(plan.checkpointing, config.num_layers)} of " \
         f"{config.num_layers}"
     if device.type == "cuda":  # what a faster run could take: a larger micro-batch
-        room = AUTO_SHARE * available - (sum(parts.values()) - parts["activations"])
-        largest = largest_batch(config, plan, room, (components.downscale, text),
+        largest = largest_batch(config, plan, activation_room(parts, available), (components.downscale, text),
                                 kept_value_bytes(precision.compute, device.type))
         line += f"; the largest micro-batch that fits {AUTO_SHARE:.0%} of it: {largest} recomputing every block"
     options = levers(plan, shards) if warning else []
