@@ -23,8 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from model.loading import meta_model  # noqa: E402
-from model.model_sd3light import DIFFUSERS_FORMAT_VERSION, preset_config, sincos_2d_table  # noqa: E402
+from model.model_sd3light import DIFFUSERS_FORMAT_VERSION, meta_model, preset_config, sincos_2d_table  # noqa: E402
 
 SHARD_BYTES = 10 * 10 ** 9  # diffusers' save_pretrained default (max_shard_size="10GB")
 WEIGHTS = "diffusion_pytorch_model"

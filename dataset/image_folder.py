@@ -3,11 +3,16 @@
 Every file is decoded once when the dataset is built, so a broken file is reported up front (one summary line)
 instead of crashing a training run hours in. Images come out as RGB: EXIF orientation applied, transparency
 composited on white, 16-bit scaled to 8-bit, resized to cover the output size and centre-cropped to it. The output is
-a resolution x resolution square, or with aspect-ratio buckets (dataset/buckets.py) the bucket size nearest the
-image's shape.
+a resolution x resolution square, or with aspect-ratio buckets the bucket size nearest the image's shape.
+
+Aspect-ratio buckets: user images keep (about) their shape instead of all being centre-cropped to squares. A few
+bucket sizes (width, height) share about the same area, so a batch costs about the same memory in any bucket. Each
+image goes to the bucket whose aspect ratio is nearest its own, and every micro-batch is drawn from one bucket, so
+its images stack into one tensor (BucketBatches in trainer/mechanics/position.py plans them).
 """
 import copy
 import json
+import math
 import os
 import re
 from collections import Counter
@@ -19,7 +24,6 @@ import torch
 from PIL import ExifTags, Image, ImageOps, JpegImagePlugin
 from tqdm import tqdm
 
-from dataset.buckets import nearest_bucket
 from dataset.shapes import ShapesDataset, image_to_tensor
 from model.errors import UserError
 
@@ -32,6 +36,8 @@ TURNING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that turn the picture b
 
 MASK_SUFFIX = ".mask"  # NAME.mask.png beside NAME.png: white = train, black = ignore, grey = weight
 REPEATS_FOLDER = re.compile(r"(\d+)_(.+)")  # kohya's convention: a folder 3_name is seen 3 times an epoch
+
+MAX_AREA_FACTOR = 1.1  # a bucket may exceed resolution^2 by this much: sides are rounded to a multiple, not floored
 
 LOOKED_FOR = f"looked recursively for {', '.join(IMAGE_EXTENSIONS)} files (any letter case)"
 HOW_TO = "pass a folder of images with same-name .txt captions, a .jsonl manifest, or 'builtin'"
@@ -206,14 +212,6 @@ def find_images(root):
     return items, dict(sorted(ignored.items()))
 
 
-def read_prompt_file(path):
-    """One prompt per non-empty line."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"prompt file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
-
-
 def describe_ignored(ignored):
     """{kind: count} -> "2 .gif, 1 .txt without an image"."""
     return ", ".join(f"{count} {kind}" for kind, count in ignored.items())
@@ -252,6 +250,72 @@ def read_image_list(path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Aspect-ratio buckets: their sizes, the one each image goes to, each sample's
+
+
+def _nearest_size(ideal_w, ideal_h, multiple, max_area, max_ratio):
+    """The (w, h), both multiples of `multiple`, with area <= max_area and w / h <= max_ratio, nearest (ideal_w,
+    ideal_h) in log space."""
+    def near(ideal):  # a window of whole multiples round the ideal side, never below one multiple
+        low = max(1, math.floor(ideal / multiple) - 1)
+        return range(low, math.ceil(ideal / multiple) + 2)
+
+    candidates = [(1, 1)]  # multiple x multiple always fits, since resolution is a multiple of it
+    candidates += [(w, h) for w in near(ideal_w) for h in near(ideal_h)
+                   if w * h * multiple ** 2 <= max_area and w <= h * max_ratio]
+    # Distance in log space weighs aspect-ratio error and area error alike: log w + log h is the log area.
+    w, h = min(candidates, key=lambda c: (math.log(c[0] * multiple / ideal_w) ** 2
+                                          + math.log(c[1] * multiple / ideal_h) ** 2))
+    return w * multiple, h * multiple
+
+
+def bucket_sizes(resolution, multiple, max_ratio=2.0, count=7):
+    """(width, height) pairs with area about resolution^2 (at most MAX_AREA_FACTOR times it), both sides multiples
+    of `multiple` (the latent downscale times the patch size), aspect ratios spread evenly in log space from
+    1/max_ratio to max_ratio. The middle one is the square (resolution, resolution). Tall and wide sizes mirror
+    each other. Deduplicated (a coarse multiple can round neighbours to the same size), sorted by aspect ratio."""
+    if not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"bucket multiple must be a positive integer, got {multiple!r}")
+    if not isinstance(resolution, int) or resolution < multiple or resolution % multiple:
+        raise ValueError(f"resolution {resolution!r} must be a positive multiple of {multiple} (the latent "
+                         "downscale times the patch size)")
+    if not isinstance(count, int) or count < 1 or count % 2 == 0:
+        raise ValueError(f"bucket count must be odd and >= 1 (symmetric round the square), got {count!r}")
+    if not max_ratio >= 1:
+        raise ValueError(f"max aspect ratio must be >= 1 (longer side / shorter side), got {max_ratio!r}")
+    max_area = resolution ** 2 * MAX_AREA_FACTOR
+    sizes = {(resolution, resolution)}
+    for k in range(1, count // 2 + 1):
+        ratio = max_ratio ** (k / (count // 2))  # width / height, > 1
+        # Only the wide sizes are searched; the tall ones are their transposes, so the set is exactly symmetric.
+        w, h = _nearest_size(resolution * math.sqrt(ratio), resolution / math.sqrt(ratio), multiple, max_area,
+                              max_ratio)
+        sizes |= {(w, h), (h, w)}
+    return sorted(sizes, key=lambda size: size[0] / size[1])
+
+
+def nearest_bucket(width, height, sizes):
+    """Index in `sizes` of the size whose aspect ratio is nearest width / height in log space (the first on a
+    tie): in log space a 2:1 image is as far from 1:1 as a 1:2 one."""
+    log_ratio = math.log(width / height)
+    return min(range(len(sizes)), key=lambda i: abs(math.log(sizes[i][0] / sizes[i][1]) - log_ratio))
+
+
+def bucket_layout(dataset, resolution):
+    """-> (bucket of each sample, bucket sizes): the image size every sample comes at. Squares of the resolution
+    for unbucketed data; the parts of a concatenation (LoRA's prior data) share buckets of the same size."""
+    sizes, bucket_of = [], []
+    for part in dataset.datasets if isinstance(dataset, torch.utils.data.ConcatDataset) else [dataset]:
+        part_sizes = [tuple(size) for size in (getattr(part, "bucket_sizes", None) or [(resolution, resolution)])]
+        for size in part_sizes:
+            if size not in sizes:
+                sizes.append(size)
+        part_of = getattr(part, "bucket_of", None) or [0] * len(part)
+        bucket_of += [sizes.index(part_sizes[b]) for b in part_of]
+    return bucket_of, sizes
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The dataset
 
 
@@ -259,7 +323,7 @@ class ImageCaptionDataset(torch.utils.data.Dataset):
     """User images with captions. Items are {"image": [3, H, W] in [-1, 1], "caption": str ("" = unconditional)},
     and "mask" [1, H, W] in [0, 1] when any image has one (NAME.mask.png; 1 where an image has none).
 
-    buckets: None for resolution x resolution squares, or a list of (width, height) sizes (dataset/buckets.py):
+    buckets: None for resolution x resolution squares, or a list of (width, height) sizes (bucket_sizes):
     each image then comes out at the size whose aspect ratio is nearest its own. captions: CaptionOptions (a
     prefix, a suffix, one caption per line).
 

@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from dataset.buckets import bucket_layout
+from dataset.image_folder import bucket_layout
 from model.file_io import json_digest
 
 

@@ -1,20 +1,22 @@
 """What a stage trains on: `--data` as a dataset (aspect-ratio buckets for user images), the sample grids' prompts,
-the check that every image size fits the model, the validation images, and the cache of encoded features
-(dataset/cache.py) that training reads instead of the images (trainer/trainer_utils.py's stage_data puts them together).
+the check that every image size fits the model, the validation images (encoded once), and the cache of encoded
+features (dataset/cache.py) that training reads instead of the images. stage_data puts them together: the one call
+a stage makes (through trainer/trainer_utils.py).
 
 The glue takes DataSettings, what a stage's arguments say of its data, which the stage builds; `info` is the
 process's rank, world size and device (trainer/mechanics/distributed.DistInfo).
 """
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from dataset.buckets import bucket_layout, bucket_sizes
 from dataset.cache import CacheLayout, Processes, build_cache
-from dataset.image_folder import CaptionOptions, DatasetError, ImageCaptionDataset, build_dataset, read_prompt_file
+from dataset.image_folder import (
+    CaptionOptions, DatasetError, ImageCaptionDataset, bucket_layout, bucket_sizes, build_dataset,
+)
 from dataset.preference_pairs import encode_pairs
 from dataset.samples import EpochSamples, count_short_of
 from dataset.shapes import SHAPES_VERSION
@@ -26,10 +28,11 @@ from model.rectified_flow import mask_to_latents
 
 @dataclass(frozen=True, kw_only=True)
 class DataSettings:
-    """What a stage's arguments say of its data (--data and the plumbing and data groups of trainer/arguments.py):
-    the data, its size, buckets and captions, what an epoch does with your images, the validation images, the
-    cache, and the grids' prompts. A stage that trains on no --data (DPO's pairs) leaves those fields out: what
-    they hold then reads nothing."""
+    """What a stage's arguments say of its data: each field is the value of the option of its name (--data, the
+    data, validation and plumbing groups of trainer/arguments.py), and the stage's parser fills it
+    (args.data_settings): the data, its size, buckets and captions, what an epoch does with your images, the
+    validation images, the cache, and the grids' prompts. A stage that trains on no --data (DPO's pairs) has no
+    data options: those fields keep their defaults and read nothing."""
     resolution: int
     seed: int
     val_data: str
@@ -38,16 +41,23 @@ class DataSettings:
     cache: str
     cache_dir: str
     cache_only: bool
-    encode_batch: int
+    encode_batch_size: int
     data: str = None
     num_samples: int = None
     buckets: str = None
-    captions: CaptionOptions = CaptionOptions()
+    caption_prefix: str = ""
+    caption_suffix: str = ""
+    caption_lines: str = "join"
     random_flip: float = 0.0
-    shuffle_tags: bool = False
+    shuffle_tags: int = 0
     keep_tags: int = 0
     val_fraction: float = 0.0
     sample_prompts: str = None
+
+    @property
+    def captions(self):
+        """How captions are read (CaptionOptions): --caption_prefix, --caption_suffix, and --caption_lines each."""
+        return CaptionOptions(self.caption_prefix, self.caption_suffix, self.caption_lines == "each")
 
 
 def training_dataset(settings, components, patch_size, log, data=None, num_samples=None):
@@ -146,6 +156,14 @@ def warn_long_captions(dataset, components, log):
             f"reads their first {tokenizer.max_words} (SD3 components read 77 tokens: --base)")
 
 
+def read_prompt_file(path):
+    """One prompt per non-empty line."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
 def sample_prompts_for(dataset, prompt_file=None, count=8):
     """The sample grids' prompts: a file's lines if given; else the built-in data's own; else `count` captions
     spread over the user's dataset, and the unconditional prompt."""
@@ -157,19 +175,71 @@ def sample_prompts_for(dataset, prompt_file=None, count=8):
     return [c for c in dict.fromkeys(picks) if c] + [""]
 
 
-def check_image_sizes(resolution, dataset, model, components):
-    """Every image size must be a whole number of patches in latent space and fit the model's position table:
-    one line now, not a traceback at the first step."""
-    multiple = components.downscale * model.config.patch_size
+def check_image_sizes(resolution, dataset, config, components):
+    """Every image size must be a whole number of patches in latent space and fit the position table of a model of
+    `config` (pos_embed_max_size patches a side): one line now, not a traceback at the first step."""
+    multiple, table = components.downscale * config.patch_size, config.pos_embed_max_size
     for width, height in bucket_layout(dataset, resolution)[1]:
         what = f"--resolution {resolution}" + ("" if width == height == resolution else f" (bucket {width}x{height})")
         if width % multiple or height % multiple:
             raise UserError(f"{what}: image sides must be multiples of {multiple} (autoencoder downscale "
-                            f"{components.downscale} x patch size {model.config.patch_size})")
-        try:
-            model.pos_embed.cropped_table(height // multiple, width // multiple)
-        except ValueError as e:
-            raise UserError(f"{what}: {e}") from None
+                            f"{components.downscale} x patch size {config.patch_size})")
+        if height // multiple > table or width // multiple > table:  # what PatchEmbed.cropped_table refuses
+            raise UserError(f"{what}: latent grid {height // multiple}x{width // multiple} patches exceeds the "
+                            f"position table ({table}x{table}): use a smaller resolution or a model with a larger "
+                            "pos_embed_max_size")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A stage's data, put together
+
+
+@dataclass(frozen=True)
+class StageData:
+    """What a stage's steps read (the cache when it is on; None after --cache_only), the grids' prompts, and the
+    validation images: held out (a dataset, or None), and encoded on the ranks that score them (`validation`:
+    encode_heldout's batches, else None)."""
+    dataset: object
+    prompts: list
+    held_out: object = None
+    validation: list = None
+
+
+def stage_data(settings, components, config, info, batch_size, log, prior=None):
+    """--data as an epoch shows it (with the `prior` dataset beside it: LoRA's prior data), the grids' prompts (a
+    file's, the built-in data's own, or captions of the user's data) and the validation images (--val_data, or
+    --val_fraction of --data held out), made ready for the steps (ready_data). `settings`: DataSettings."""
+    dataset, held_out = split_validation(settings, training_dataset(settings, components, config.patch_size, log))
+    prompts = sample_prompts_for(dataset, settings.sample_prompts)
+    dataset = epoch_samples(settings, [dataset] + ([prior] if prior is not None else []), log)
+    data = StageData(dataset, prompts, validation_data(settings, held_out, log))
+    return ready_data(settings, data, components, config, info, batch_size, log)
+
+
+def ready_data(settings, data, components, config, info, batch_size, log):
+    """`data` (StageData) made ready for the steps: every image size checked against the model's `config`, the
+    validation images encoded in batches of `batch_size` while the text encoders are in memory, on the ranks that
+    score them, and the cache built (the text encoders then freed)."""
+    check_image_sizes(settings.resolution, data.dataset, config, components)
+    validation = None
+    if data.held_out is not None and (info.is_main or info.sharded):
+        validation = encode_heldout(components, data.held_out, settings.val_samples, batch_size, info.device)
+    dataset = features_to_train_on(settings, data.dataset, components, data.prompts, info, log)
+    return replace(data, dataset=dataset, validation=validation)
+
+
+@torch.no_grad()
+def encode_heldout(components, dataset, num_samples, batch_size, device):
+    """The first num_samples items encoded once, in batches: [{"first": index of its first item, "latents" (the
+    latent distribution's mean), "tokens", "pooled"}], on the CPU. What a training run's validation keeps (its text
+    encoders may be freed later)."""
+    batches = []
+    for start in range(0, min(num_samples, len(dataset)), batch_size):
+        items = [dataset[i] for i in range(start, min(num_samples, len(dataset), start + batch_size))]
+        latents = components.encode_images(torch.stack([it["image"] for it in items]).to(device))
+        tokens, pooled = components.encode_prompts([it["caption"] for it in items])
+        batches.append({"first": start, "latents": latents.cpu(), "tokens": tokens.cpu(), "pooled": pooled.cpu()})
+    return batches
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -258,7 +328,7 @@ def cached_dataset(settings, dataset, components, info, log):
     folder = cache_folder(settings.cache_dir, samples, fingerprint, components)
     processes = Processes(info.rank, info.world_size, dist.barrier if info.world_size > 1 else None)
     cache = build_cache(folder, fingerprint, len(dataset), encode, processes,
-                        CacheLayout(encode_batch=settings.encode_batch), log)
+                        CacheLayout(encode_batch=settings.encode_batch_size), log)
     warn_truncated(components, info, log)
     cache.bucket_of, cache.bucket_sizes = bucket_layout(dataset, settings.resolution)  # the images' sizes, as batched
     return samples.reading(cache) if samples is not dataset else cache

@@ -15,27 +15,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dataset.image_folder import build_dataset  # noqa: E402
-from dataset.training_data import caption_options  # noqa: E402
+from dataset.training_data import caption_options, encode_heldout  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, load_weights, run_name  # noqa: E402
 
 SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
-
-
-@torch.no_grad()
-def encode_heldout(components, dataset, num_samples, batch_size, device):
-    """The first num_samples items encoded once, in batches: [{"first": index of its first item, "latents" (the
-    latent distribution's mean), "tokens", "pooled"}], on the CPU. What a training run's validation keeps (its text
-    encoders may be freed later)."""
-    batches = []
-    for start in range(0, min(num_samples, len(dataset)), batch_size):
-        items = [dataset[i] for i in range(start, min(num_samples, len(dataset), start + batch_size))]
-        latents = components.encode_images(torch.stack([it["image"] for it in items]).to(device))
-        tokens, pooled = components.encode_prompts([it["caption"] for it in items])
-        batches.append({"first": start, "latents": latents.cpu(), "tokens": tokens.cpu(), "pooled": pooled.cpu()})
-    return batches
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import struct
 import torch
 import torch.nn as nn
 
-from model.model_sd3light import SD3Light, check_state_dict
+from model.model_sd3light import check_state_dict
 
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format.md)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -68,12 +68,6 @@ class TensorFiles:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def meta_model(config):
-    """An SD3Light with every parameter and buffer on the meta device: shapes and names, no memory."""
-    with torch.device("meta"):
-        return SD3Light(config)
 
 
 def put(model, name, tensor):

@@ -26,8 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from model.components import text_tokens
-from model.loading import meta_model
-from model.model_sd3light import blocks_recomputed
+from model.model_sd3light import blocks_recomputed, meta_model
 
 GIB = 2 ** 30
 ACTIVATION_WORDS = 24  # values kept for backward per token and unit of width in one joint block (attention + MLP)

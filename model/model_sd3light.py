@@ -532,5 +532,11 @@ def check_state_dict(model, state_dict, limit=8):
     raise StateDictMismatchError(f"state dict does not fit {type(model).__name__}: " + "; ".join(problems) + hint)
 
 
+def meta_model(config):
+    """An SD3Light with every parameter and buffer on the meta device: shapes and names, no memory."""
+    with torch.device("meta"):
+        return SD3Light(config)
+
+
 if __name__ == "__main__":
     print(presets_table())

@@ -25,9 +25,11 @@ from model.diffusers_io import (
 )
 from model.errors import UserError
 from model.file_io import json_digest, sha256_of, write_safetensors
-from model.loading import TensorFiles, fill, meta_model
+from model.loading import TensorFiles, fill
 from model.single_file import SingleFileTensors, single_file_metadata, single_file_state
-from model.model_sd3light import PRESETS, SD3LightConfig, StateDictMismatchError, check_state_dict, preset_of
+from model.model_sd3light import (
+    PRESETS, SD3LightConfig, StateDictMismatchError, check_state_dict, meta_model, preset_of,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "out")

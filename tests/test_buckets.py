@@ -8,10 +8,13 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from dataset.buckets import MAX_AREA_FACTOR, BucketBatches, bucket_layout, bucket_sizes, nearest_bucket
-from dataset.image_folder import DatasetError, ImageCaptionDataset, build_dataset, load_image, read_image, to_rgb
+from dataset.image_folder import (
+    MAX_AREA_FACTOR, DatasetError, ImageCaptionDataset, bucket_layout, bucket_sizes, build_dataset, load_image,
+    nearest_bucket, read_image, to_rgb,
+)
 from dataset.shapes import ShapesDataset
 from tests.conftest import exif_jpeg, save_image_png as save_png
+from trainer.mechanics.position import BucketBatches
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sizes

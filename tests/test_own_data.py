@@ -112,7 +112,7 @@ def test_a_flipped_variant_is_the_mirror_and_its_latents_are_cached(folder, tmp_
 
     components = BuiltinComponents(GRAMMAR_WORDS)
     args = DataSettings(resolution=32, seed=0, val_data=None, val_samples=64, val_interval=100, cache="1",
-                        cache_dir=str(tmp_path / "cache"), cache_only=False, encode_batch=4)
+                        cache_dir=str(tmp_path / "cache"), cache_only=False, encode_batch_size=4)
     info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
     cache = cached_dataset(args, samples, components, info, log=lambda line: None)
     features = cache.source  # the variants, encoded once each

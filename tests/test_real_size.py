@@ -14,12 +14,13 @@ import trainer.train_distill as train_distill
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
 import trainer.train_pretrain as train_pretrain
+from dataset import training_data
 from model import loading
 from model.checkpoint import first_difference, load_safetensors
 from model.errors import UserError
 from model.model_lora import apply_lora
 from model import memory
-from model.model_sd3light import SD3LightConfig, preset_config
+from model.model_sd3light import SD3LightConfig, meta_model, preset_config
 from model.rectified_flow import Sampler
 from model.precision import StagePrecision, run_precision, torch_dtype
 from model.weights import load_components, load_transformer
@@ -52,7 +53,7 @@ def started(module, stage, roles, argv, adapt=None):
     resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    data = trainer_utils.stage_data(module.data_settings(args), components,
+    data = trainer_utils.stage_data(args.data_settings, components,
                                     SD3LightConfig.from_dict(source["transformer"]), info, args.batch_size, print)
     nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen,
                                              info)
@@ -102,7 +103,7 @@ def test_the_built_in_components_on_a_cpu_stay_fp32(tmp_path, pretrained):
 
 def test_the_text_encoders_are_freed_once_training_reads_the_cache(tmp_path, sd3):
     seen = {}
-    free = trainer_utils.features_to_train_on
+    free = training_data.features_to_train_on
 
     def watch(args, dataset, components, prompts, info, log):
         seen["encoders"] = [weakref.ref(components.clip_l), weakref.ref(components.clip_g),
@@ -110,7 +111,7 @@ def test_the_text_encoders_are_freed_once_training_reads_the_cache(tmp_path, sd3
         return free(args, dataset, components, prompts, info, log)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer_utils, "features_to_train_on", watch)
+        patch.setattr(training_data, "features_to_train_on", watch)
         args, start = started(train_full_sft, "sft", {"model": "trained"},
                               ["--base", sd3, "--from_weight", "base", *FAST, *dirs(tmp_path)])
     gc.collect()
@@ -263,7 +264,7 @@ def test_the_estimate_counts_what_each_network_holds():
     from model.memory import MemoryPlan, estimate
 
     config = preset_config("base")
-    params = sum(p.numel() for p in loading.meta_model(config).parameters())
+    params = sum(p.numel() for p in meta_model(config).parameters())
     full = estimate(config, MemoryPlan(("trained",), "adamw", True, "auto", 1, 32, False), "bf16", 1, 0, 0, "cuda")
     assert full["weights"] == full["gradients"] == full["EMA"] == 4 * params and full["optimizer"] == 8 * params
     lean = estimate(config, MemoryPlan(("trained",), "adamw8bit", True, "cpu", 1, 32, False), "bf16", 1, 0, 0, "cuda")

@@ -11,7 +11,7 @@ from model.components import BuiltinComponents
 from model.model_sd3light import SD3Light, SD3LightConfig
 from model.rectified_flow import Sampler, add_noise, euler_sample, flow_loss, sample_sigmas, to_velocity
 import trainer.train_pretrain as train_pretrain
-from dataset.samplers import BucketSampler, EpochSampler
+from trainer.mechanics.position import BucketSampler, EpochSampler
 from model import precision
 from model.precision import autocast_dtype
 from model.errors import UserError

@@ -19,12 +19,14 @@ plumbing every stage shares and nobody tunes (--base, --data, paths, resume, cac
 wandb) keeps its one value here.
 """
 import argparse
+import dataclasses
 import math
 import os
 import sys
 
 import torch
 
+from dataset.training_data import DataSettings
 from model.model_sd3light import PUBLISHED_PRESETS
 from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
@@ -87,8 +89,9 @@ class StageParser(argparse.ArgumentParser):
 
     def parse_known_args(self, argv=None, namespace=None):
         """The arguments, with the real-model recipe's defaults where --preset names published weights. The
-        namespace carries the arguments' resume kinds and the recipe in force as class attributes
-        (args.resume_kinds, args.recipe_note), so they go wherever the arguments go without being one of them
+        namespace carries the arguments' resume kinds, the recipe in force and what they say of the data (a
+        DataSettings filled from the options its fields name) as class attributes (args.resume_kinds,
+        args.recipe_note, args.data_settings), so they go wherever the arguments go without being one of them
         (vars(args) leaves them out)."""
         unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
         if unset:
@@ -112,6 +115,7 @@ class StageParser(argparse.ArgumentParser):
         if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
             self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
                        "on each GPU) and gathers it there; leave --ema_device auto")
+        type(args).data_settings = filled(DataSettings, given)
         return args, rest
 
     def namespace(self, recipe_note):
@@ -121,6 +125,12 @@ class StageParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def filled(settings, given):
+    """The frozen settings dataclass `settings` with each field the value of the option of its name in `given`
+    (the parsed options, by name); a field no option names keeps its default."""
+    return settings(**{f.name: given[f.name] for f in dataclasses.fields(settings) if f.name in given})
 
 
 def shown_values(values, recipe=None):

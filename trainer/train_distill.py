@@ -38,11 +38,11 @@ from trainer.distillation import (  # noqa: E402
     DistillLearner, DistillRecipe, GANHead, Networks, distillation_flops, distillation_losses, generator_step,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, PREDICTIONS, CaptionOptions, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState,
-    NonFiniteSteps, Outputs, Position, Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput,
-    TokenRouting, UserError, adamw, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
-    init_distributed, load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision,
-    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, write_export,
+    EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
+    Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
+    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, load_network, log_peak,
+    lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source,
+    step_zero, sync_gradients, to_item, torch_dtype, write_export,
 )
 
 
@@ -102,17 +102,6 @@ def parse_args(argv=None):
                                    ema_decay=0.0, batch_size=1, resolution=1024,
                                    gradient_checkpointing="auto")
     return parser.parse_args(argv)
-
-
-def data_settings(args):
-    """What the arguments say of the data, the validation images and the cache (dataset/training_data.py)."""
-    return DataSettings(
-        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
-        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
-        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
-        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
-        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
-        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
 
 
 def check_args(args):
@@ -182,7 +171,7 @@ def main(argv=None):
     config = SD3LightConfig.from_dict(source["transformer"])
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, recipe.prediction, args.export_pipeline, args.export_single_file)
-    data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
+    data = stage_data(args.data_settings, components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = MemoryPlan(("frozen", "trained", "trained"), "adamw", args.ema_decay > 0, args.ema_device,

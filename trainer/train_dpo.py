@@ -49,12 +49,11 @@ from trainer.preference import (  # noqa: E402
     all_prompts, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, PREDICTIONS, Checkpointer, DataSettings, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
-    Outputs, Position, Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting,
-    UserError, adamw, adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
-    init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main,
-    run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data,
-    write_export,
+    EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
+    Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
+    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
+    load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data, write_export,
 )
 
 
@@ -137,9 +136,7 @@ def pair_data(args, components, config, rounds, info, log):
                         "components: with --base, pass a .jsonl of pairs")
     else:
         pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
-    settings = DataSettings(resolution=args.resolution, seed=args.seed, val_data=args.val_data,
-                            val_samples=args.val_samples, val_interval=args.val_interval, cache=args.cache,
-                            cache_dir=args.cache_dir, cache_only=args.cache_only, encode_batch=args.encode_batch_size)
+    settings = args.data_settings
     data = StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, log))
     return ready_data(settings, data, components, config, info, args.batch_size, log)
 

@@ -40,11 +40,11 @@ from trainer.arguments import (  # noqa: E402
     add_sampling_args, add_schedule_args, add_validation_args, positive_float, positive_int, probability,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState,
-    NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
-    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
-    load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr,
-    stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, training_dataset, write_export,
+    EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
+    Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw, adapter_count, checkpoint_stem,
+    data_parallel, find_resume, finish_run, fit_memory, init_distributed, load_network, log_peak, lr_at, mean_and_any,
+    resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero,
+    sync_gradients, to_item, torch_dtype, training_dataset, write_export,
 )
 
 
@@ -107,17 +107,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def data_settings(args):
-    """What the arguments say of the data, the validation images and the cache (dataset/training_data.py)."""
-    return DataSettings(
-        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
-        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
-        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
-        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
-        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
-        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
-
-
 def prior_dataset(args, settings, components, config, log):
     """--prior_data (auto: the built-in shapes for built-in --data, none for yours), or None."""
     prior = args.prior_data if args.prior_data != "auto" else "builtin" if args.data.startswith("builtin") \
@@ -162,7 +151,7 @@ def main(argv=None):
     # the token routing, checked now: a bad value is one line before any work
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    settings = data_settings(args)
+    settings = args.data_settings
     prior = prior_dataset(args, settings, components, config, metrics.log)
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built

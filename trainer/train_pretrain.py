@@ -34,11 +34,11 @@ from trainer.arguments import (  # noqa: E402
     add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, GRAMMAR_WORDS, CaptionOptions, Checkpointer, DataSettings, FlowLearner, MemoryPlan, MetricsLog,
-    NamedOptimizerState, NonFiniteSteps, Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput,
-    TokenRouting, adamw, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
-    log_peak, lr_at, mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data,
-    sync_gradients, to_item, torch_dtype, write_export,
+    EMA, GRAMMAR_WORDS, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
+    Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
+    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak, lr_at,
+    mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, sync_gradients,
+    to_item, torch_dtype, write_export,
 )
 
 
@@ -73,17 +73,6 @@ def parse_args(argv=None):
                         loss="mse", weighting="none", caption_dropout=0.1, save_interval=200, sample_interval=400,
                         save_dtype="bf16")
     return parser.parse_args(argv)
-
-
-def data_settings(args):
-    """What the arguments say of the data, the validation images and the cache (dataset/training_data.py)."""
-    return DataSettings(
-        data=args.data, resolution=args.resolution, num_samples=args.num_samples, seed=args.seed, buckets=args.buckets,
-        captions=CaptionOptions(args.caption_prefix, args.caption_suffix, args.caption_lines == "each"),
-        random_flip=args.random_flip, shuffle_tags=bool(args.shuffle_tags), keep_tags=args.keep_tags,
-        val_fraction=args.val_fraction, val_data=args.val_data, val_samples=args.val_samples,
-        val_interval=args.val_interval, cache=args.cache, cache_dir=args.cache_dir, cache_only=args.cache_only,
-        encode_batch=args.encode_batch_size, sample_prompts=args.sample_prompts)
 
 
 def make_optimizers(model, args):
@@ -124,7 +113,7 @@ def main(argv=None):
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     prediction = args.prediction or ("v" if args.base else "x")
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    data = stage_data(data_settings(args), components, config, info, args.batch_size, metrics.log)
+    data = stage_data(args.data_settings, components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return 0
     plan = MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,

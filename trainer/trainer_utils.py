@@ -3,7 +3,8 @@ it trains. The loop's own torch calls (the loss, backward, clipping, the optimiz
 
     start a run     init_distributed -> info; MetricsLog (the log, metrics file, progress bar, wandb); find_resume
                     (the resume checkpoint asked for, read and verified, or None); run_precision
-    its data        stage_data (the data, its cache, the grids' prompts, the validation images); ready_data
+    its data        stage_data (the data, its cache, the grids' prompts, the validation images: all of it in
+                    dataset/training_data.py); ready_data
     its weights     start_weights_source, load_network, adapter_count; fit_memory (the estimate, and the blocks
                     recomputed in backward); data_parallel (DDP or FSDP2 shards); adamw; EMA
     its outputs     Position (where the run is in its data), Checkpointer + RunSpec (the resume checkpoint),
@@ -15,29 +16,27 @@ it trains. The loop's own torch calls (the loss, backward, clipping, the optimiz
     save            Checkpointer.save, write_export (what other tools read)
     stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
 
-What these call lives below, in trainer/mechanics/: distributed.py (processes, DDP and FSDP, state in any layout),
-checkpointer.py (saves and resume, DCP shards), position.py, metrics.py, previews.py, ema.py, optimizers.py,
-signals.py, state.py. A stage does not import them; nothing there imports this module.
+What these call lives below: the data in dataset/training_data.py, the rest in trainer/mechanics/: distributed.py
+(processes, DDP and FSDP, state in any layout), checkpointer.py (saves and resume, DCP shards), position.py,
+metrics.py, previews.py, ema.py, optimizers.py, signals.py, state.py. A stage does not import them; nothing there
+imports this module.
 """
 import math
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dataset.image_folder import CaptionOptions
 from dataset.training_data import (
-    DataSettings, check_image_sizes, epoch_samples, features_to_train_on, sample_prompts_for, split_validation,
-    training_dataset, validation_data, warn_truncated,
+    StageData, ready_data, stage_data, training_dataset, validation_data, warn_truncated,
 )
 from dataset.shapes import GRAMMAR_WORDS
-from eval.eval_loss import encode_heldout
 from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.errors import UserError, run_main
-from model.loading import meta_model
 from model.memory import MemoryPlan, auto_checkpointing, estimate_lines, peak_rss
 from model.model_lora import apply_lora, is_lora_file
+from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler
 from model.token_routing import TokenRouting
@@ -145,40 +144,6 @@ def stop_message(received, step):
 
 # ----------------------------------------------------------------------------------------------------------------
 # Start: the data, the weights, the peak memory
-
-
-@dataclass(frozen=True)
-class StageData:
-    """What a stage's steps read (the cache when it is on; None after --cache_only), the grids' prompts, and the
-    validation images: held out (a dataset, or None), and encoded on the ranks that score them (`validation`:
-    eval/eval_loss.encode_heldout's batches, else None)."""
-    dataset: object
-    prompts: list
-    held_out: object = None
-    validation: list = None
-
-
-def stage_data(settings, components, config, info, batch_size, log, prior=None):
-    """--data as an epoch shows it (with the `prior` dataset beside it: LoRA's prior data), the grids' prompts (a
-    file's, the built-in data's own, or captions of the user's data) and the validation images (--val_data, or
-    --val_fraction of --data held out), made ready for the steps (ready_data). `settings`: DataSettings."""
-    dataset, held_out = split_validation(settings, training_dataset(settings, components, config.patch_size, log))
-    prompts = sample_prompts_for(dataset, settings.sample_prompts)
-    dataset = epoch_samples(settings, [dataset] + ([prior] if prior is not None else []), log)
-    data = StageData(dataset, prompts, validation_data(settings, held_out, log))
-    return ready_data(settings, data, components, config, info, batch_size, log)
-
-
-def ready_data(settings, data, components, config, info, batch_size, log):
-    """`data` (StageData) made ready for the steps: every image size checked against the model (one with no
-    memory, on the meta device), the validation images encoded in batches of `batch_size` while the text encoders
-    are in memory, on the ranks that score them, and the cache built (the text encoders then freed)."""
-    check_image_sizes(settings.resolution, data.dataset, meta_model(config), components)
-    validation = None
-    if data.held_out is not None and (info.is_main or info.sharded):
-        validation = encode_heldout(components, data.held_out, settings.val_samples, batch_size, info.device)
-    dataset = features_to_train_on(settings, data.dataset, components, data.prompts, info, log)
-    return replace(data, dataset=dataset, validation=validation)
 
 
 def start_weights_source(from_weight, preset, prediction, out_dir, base=None):

@@ -9,7 +9,7 @@ its state_dict() is what a resume continues from.
             ...
         position.end_step()                       # the step's samples counted as seen
 
-The place in the data is counted in samples (dataset/samplers.py), and the schedule in steps of the global batch
+The place in the data is counted in samples (the samplers below), and the schedule in steps of the global batch
 the run started with (plan_batch), so a resume with another number of processes continues the same epoch and
 the same schedule.
 """
@@ -19,12 +19,13 @@ import os
 import torch
 import torch.distributed as dist
 
-from dataset.buckets import bucket_layout
-from dataset.samplers import BucketSampler, make_sampler
+from dataset.image_folder import bucket_layout
 from dataset.samples import epoch_view
 from model.errors import UserError
 from trainer.mechanics.signals import leave_stopping_to_the_main_process, stop_signals_held
 from trainer.mechanics.state import rng_state, set_rng_state, to_cpu
+
+SEED_MIX = 1_000_003  # a prime: (seed, epoch, bucket) -> one generator seed, distinct for small values of each
 
 
 def data_workers(requested, device):
@@ -146,3 +147,111 @@ class Position:
             set_rng_state(state["rng"][self.info.rank], self.generator, self.info.device)
         else:
             self.generator.manual_seed(self.seed * 1000 + self.info.rank + 7919 * self.step)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which samples each process takes at each step. The position in an epoch is counted in samples over all
+# processes, so a resume on another number of processes continues the same epoch: nothing of it is seen twice
+# or skipped. A step takes `global_batch` samples: batch size x accumulation steps x processes.
+
+
+class EpochSampler:
+    """Each epoch is one global permutation (seed + epoch). The position in it is counted in global samples,
+    and the rest of the epoch is dealt round-robin to the ranks, so a resume (also with another world size)
+    continues the same permutation: nothing of the epoch is seen twice or skipped. An epoch's last samples that
+    do not fill a global batch are left for that epoch (the next permutation differs)."""
+
+    def __init__(self, num_samples, rank, world_size, seed=0, shuffle=True):
+        self.n, self.rank, self.world, self.seed, self.shuffle = num_samples, rank, world_size, seed, shuffle
+
+    def permutation(self, epoch):
+        if not self.shuffle:
+            return torch.arange(self.n)
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+
+    def steps_left(self, consumed, global_batch):
+        """Whole steps left in an epoch after `consumed` of its samples."""
+        return max(0, self.n - consumed) // global_batch
+
+    def rank_batches(self, epoch, consumed, batch_size, global_batch):
+        """This rank's micro-batches for the rest of the epoch, in the order the steps take them."""
+        rest = self.permutation(epoch)[consumed:]
+        mine = rest[self.rank:len(rest) // self.world * self.world:self.world].tolist()
+        return [mine[i:i + batch_size] for i in range(0, len(mine) - batch_size + 1, batch_size)]
+
+
+class BucketSampler:
+    """Aspect-ratio buckets: the epoch is a shuffled list of micro-batches, each from one bucket
+    (BucketBatches below: every image at least once an epoch). A step deals its world x accumulation micro-batches
+    round-robin to the ranks; the position is counted in samples, so a resume with another world size continues
+    the same list. The epoch's last step is filled from the list's start: nothing is dropped however the
+    global batch grows."""
+
+    def __init__(self, bucket_of, rank, world_size, batch_size, seed=0):
+        self.rank, self.world = rank, world_size
+        self.plan = BucketBatches(bucket_of, batch_size, seed)
+        self.n = self.plan.len_micro_batches() * batch_size  # samples in an epoch's list
+
+    def steps_left(self, consumed, global_batch):
+        return math.ceil(max(0, self.n - consumed) / global_batch)
+
+    def rank_batches(self, epoch, consumed, batch_size, global_batch):
+        plan = self.plan.micro_batches(epoch)
+        rest = plan[consumed // batch_size:]
+        per_step = global_batch // batch_size  # micro-batches in a step, over all ranks
+        rest += plan[:(-len(rest)) % per_step]
+        return [rest[i] for i in range(self.rank, len(rest), self.world)]
+
+
+def make_sampler(bucket_of, batch_size, rank, world_size, seed):
+    """Buckets when the samples come in more than one image size (`bucket_of`: each sample's), else one
+    permutation an epoch."""
+    if len(set(bucket_of)) > 1:
+        return BucketSampler(bucket_of, rank, world_size, batch_size, seed)
+    return EpochSampler(len(bucket_of), rank, world_size, seed=seed)
+
+
+def _generator(*keys):
+    seed = 0
+    for key in keys:
+        seed = (seed * SEED_MIX + key) % 2 ** 63  # manual_seed takes at most 64 bits
+    return torch.Generator().manual_seed(seed)
+
+
+class BucketBatches:
+    """Plans an epoch of micro-batches in which each micro-batch holds samples of one bucket only.
+
+    Each bucket is shuffled on its own and padded up to a multiple of batch_size by repeating the start of that
+    same shuffle (a bucket smaller than batch_size is repeated as often as needed), then cut into micro-batches of
+    exactly batch_size; the micro-batches of all buckets are then shuffled together. So no sample is ever dropped
+    (truncating each bucket's tail to a whole batch would silently lose small buckets), and no sample is seen twice
+    in an epoch except the padding, fewer than batch_size repeats per bucket. The plan depends only on (seed,
+    epoch), not on the world size: the trainer deals consecutive micro-batches to the ranks and counts its position
+    in micro-batches, so a resume, also with another world size, continues the same plan exactly.
+    """
+
+    def __init__(self, bucket_of, batch_size, seed):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch size must be a positive integer, got {batch_size!r}")
+        if not bucket_of:
+            raise ValueError("no samples to plan batches for (bucket_of is empty)")
+        self.batch_size, self.seed = batch_size, seed
+        self.members = {}  # bucket id -> its sample indices, ascending
+        for index, bucket in enumerate(bucket_of):
+            self.members.setdefault(int(bucket), []).append(index)
+
+    def len_micro_batches(self):
+        """Micro-batches per epoch: the same every epoch, since only the order changes."""
+        return sum(-(-len(indices) // self.batch_size) for indices in self.members.values())
+
+    def micro_batches(self, epoch):
+        """The epoch's micro-batches in training order, each a list of batch_size sample indices of one bucket."""
+        batches = []
+        for bucket in sorted(self.members):
+            indices = torch.tensor(self.members[bucket])
+            order = indices[torch.randperm(len(indices), generator=_generator(self.seed, epoch, bucket + 1))]
+            padded = -(-len(order) // self.batch_size) * self.batch_size
+            order = order.repeat(-(-padded // len(order)))[:padded].tolist()
+            batches += [order[i:i + self.batch_size] for i in range(0, padded, self.batch_size)]
+        shuffle = torch.randperm(len(batches), generator=_generator(self.seed, epoch)).tolist()
+        return [batches[i] for i in shuffle]
