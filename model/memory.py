@@ -18,7 +18,8 @@ and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a
     save         about two of the largest tensor, on a CPU: a save writes and reads back a tensor at a time
     runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
 
-Checked against measured peaks by bench/bench_memory.py (BENCHMARKS.md).
+A stage calls fit_memory (auto resolved, the estimate logged). Checked against measured peaks by
+bench/bench_memory.py (BENCHMARKS.md).
 """
 import os
 from dataclasses import dataclass, replace
@@ -108,6 +109,16 @@ def auto_checkpointing(config, plan, components, precision, info):
     return fitted_checkpointing(config, plan, device_memory(device), holding,
                                 (components.downscale, text_tokens(components)),
                                 kept_value_bytes(precision.compute, device.type))
+
+
+def fit_memory(config, plan, components, precision, info, log):
+    """What a stage calls: the run's memory plan (MemoryPlan) with --gradient_checkpointing auto resolved to the
+    fewest blocks that fit the device, and its estimate logged -> the plan (`plan.checkpointing`: what the model
+    recomputes in backward)."""
+    plan = auto_checkpointing(config, plan, components, precision, info)
+    for line in estimate_lines(config, plan, components, precision, info):
+        log(line)
+    return plan
 
 
 def fitted_checkpointing(config, plan, memory_bytes, holding, latent, value_bytes):

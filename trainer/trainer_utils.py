@@ -34,7 +34,7 @@ from dataset.training_data import (
 from dataset.shapes import GRAMMAR_WORDS
 from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.errors import UserError, run_main
-from model.memory import MemoryPlan, auto_checkpointing, estimate_lines, peak_rss
+from model.memory import MemoryPlan, fit_memory, peak_rss
 from model.model_lora import apply_lora, is_lora_file
 from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
@@ -195,16 +195,6 @@ def adapter_count(config, targets, rank, alpha):
     except ValueError as e:
         raise UserError(f"--lora_targets {targets}: {e}") from None
     return sum(p.numel() for p in probe.parameters() if p.requires_grad)
-
-
-def fit_memory(config, plan, components, precision, info, log):
-    """The run's memory plan (MemoryPlan) with --gradient_checkpointing auto resolved to the fewest blocks that fit
-    the device, and its estimate logged (model/memory.py) -> the plan (`plan.checkpointing`: what the model
-    recomputes in backward)."""
-    plan = auto_checkpointing(config, plan, components, precision, info)
-    for line in estimate_lines(config, plan, components, precision, info):
-        log(line)
-    return plan
 
 
 def log_peak(info, what, log):
