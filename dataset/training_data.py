@@ -1,10 +1,11 @@
 """What a stage trains on: `--data` as a dataset (aspect-ratio buckets for user images), the sample grids' prompts,
 the check that every image size fits the model, the validation images (encoded once), and the cache of encoded
-features (dataset/cache.py) that training reads instead of the images. stage_data puts them together: the one call
-a stage makes (through trainer/trainer_utils.py).
+features (dataset/cache.py) that training reads instead of the images. stage_data puts them together: the call a
+stage makes (through trainer/trainer_utils.py); DPO, which trains on preference pairs, calls validation_data and
+ready_data on its pairs.
 
-The glue takes DataSettings, what a stage's arguments say of its data, which the stage builds; `info` is the
-process's rank, world size and device (trainer/mechanics/distributed.DistInfo).
+The glue takes DataSettings, what a stage's arguments say of its data, which the stage's parser fills
+(args.data_settings); `info` is the process's rank, world size and device (trainer/mechanics/distributed.DistInfo).
 """
 import os
 import re
@@ -32,7 +33,8 @@ class DataSettings:
     data, validation and plumbing groups of trainer/arguments.py), and the stage's parser fills it
     (args.data_settings): the data, its size, buckets and captions, what an epoch does with your images, the
     validation images, the cache, and the grids' prompts. A stage that trains on no --data (DPO's pairs) has no
-    data options: those fields keep their defaults and read nothing."""
+    --data and no data group: those fields keep their defaults, and what it reads of the rest is the validation
+    images and the cache."""
     resolution: int
     seed: int
     val_data: str

@@ -128,7 +128,7 @@ def pair_rounds(args, source, autocast):
 def pair_data(args, components, config, rounds, info, log):
     """The pairs (a pool the run fills from its own samples, for --pairs builtin on the built-in components, or a
     manifest's), their grid prompts and the validation images (--val_data), made ready for the steps: sizes
-    checked, validation encoded, the cache built when it is on (trainer_utils.ready_data)."""
+    checked, validation encoded, the cache built when it is on (dataset/training_data.ready_data)."""
     if args.pairs != "builtin":
         pairs = PreferencePairs(args.pairs, args.resolution, log=log)
     elif components.spec["kind"] != "builtin":

@@ -16,10 +16,10 @@ it trains. The loop's own torch calls (the loss, backward, clipping, the optimiz
     save            Checkpointer.save, write_export (what other tools read)
     stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
 
-What these call lives below: the data in dataset/training_data.py, the rest in trainer/mechanics/: distributed.py
-(processes, DDP and FSDP, state in any layout), checkpointer.py (saves and resume, DCP shards), position.py,
-metrics.py, previews.py, ema.py, optimizers.py, signals.py, state.py. A stage does not import them; nothing there
-imports this module.
+What these call lives below: the data in dataset/training_data.py, the estimate in model/memory.py, the rest in
+trainer/mechanics/: distributed.py (processes, DDP and FSDP, state in any layout), checkpointer.py (saves and
+resume, DCP shards), position.py, metrics.py, previews.py, ema.py, optimizers.py, signals.py, state.py. A stage
+does not import them; nothing there imports this module.
 """
 import math
 import signal
@@ -143,7 +143,7 @@ def stop_message(received, step):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Start: the data, the weights, the peak memory
+# Start: the weights, the peak memory
 
 
 def start_weights_source(from_weight, preset, prediction, out_dir, base=None):

@@ -13,8 +13,8 @@ from model.checkpoint import remove_leftovers
 class Previews:
     """The grids and the validation loss of `model` with `ema` swapped in (if any), drawn as `sampler`
     (model/rectified_flow.Sampler) says from `seed`, the grids of `prompts` under the path `stem`
-    (out/samples/<run>), the loss on `validation` (the held-out images, encoded: eval_loss.encode_heldout; or
-    None). Rank 0 first deletes the temp files of a grid a killed run left half-written."""
+    (out/samples/<run>), the loss on `validation` (the held-out images, encoded: dataset/training_data's
+    encode_heldout; or None). Rank 0 first deletes the temp files of a grid a killed run left half-written."""
 
     def __init__(self, model, ema, components, sampler, seed, info, stem):
         self.model, self.ema, self.components, self.sampler = model, ema, components, sampler
