@@ -212,6 +212,14 @@ def find_images(root):
     return items, dict(sorted(ignored.items()))
 
 
+def read_prompt_file(path):
+    """One prompt per non-empty line."""
+    if not os.path.isfile(path):
+        raise DatasetError(f"prompt file {path} does not exist")
+    with open(path, encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
 def describe_ignored(ignored):
     """{kind: count} -> "2 .gif, 1 .txt without an image"."""
     return ", ".join(f"{count} {kind}" for kind, count in ignored.items())

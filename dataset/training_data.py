@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dataset.cache import CacheLayout, Processes, build_cache
 from dataset.image_folder import (
-    CaptionOptions, DatasetError, ImageCaptionDataset, bucket_layout, bucket_sizes, build_dataset,
+    CaptionOptions, DatasetError, ImageCaptionDataset, bucket_layout, bucket_sizes, build_dataset, read_prompt_file,
 )
 from dataset.preference_pairs import encode_pairs
 from dataset.samples import EpochSamples, count_short_of
@@ -24,6 +24,7 @@ from dataset.shapes import SHAPES_VERSION
 from model.components import BuiltinComponents
 from model.errors import UserError
 from model.file_io import json_digest
+from model.model_sd3light import check_patch_grid
 from model.rectified_flow import mask_to_latents
 
 
@@ -158,14 +159,6 @@ def warn_long_captions(dataset, components, log):
             f"reads their first {tokenizer.max_words} (SD3 components read 77 tokens: --base)")
 
 
-def read_prompt_file(path):
-    """One prompt per non-empty line."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"prompt file {path} does not exist")
-    with open(path, encoding="utf-8") as f:
-        return [line.strip() for line in f if line.strip()]
-
-
 def sample_prompts_for(dataset, prompt_file=None, count=8):
     """The sample grids' prompts: a file's lines if given; else the built-in data's own; else `count` captions
     spread over the user's dataset, and the unconditional prompt."""
@@ -180,16 +173,16 @@ def sample_prompts_for(dataset, prompt_file=None, count=8):
 def check_image_sizes(resolution, dataset, config, components):
     """Every image size must be a whole number of patches in latent space and fit the position table of a model of
     `config` (pos_embed_max_size patches a side): one line now, not a traceback at the first step."""
-    multiple, table = components.downscale * config.patch_size, config.pos_embed_max_size
+    multiple = components.downscale * config.patch_size
     for width, height in bucket_layout(dataset, resolution)[1]:
         what = f"--resolution {resolution}" + ("" if width == height == resolution else f" (bucket {width}x{height})")
         if width % multiple or height % multiple:
             raise UserError(f"{what}: image sides must be multiples of {multiple} (autoencoder downscale "
                             f"{components.downscale} x patch size {config.patch_size})")
-        if height // multiple > table or width // multiple > table:  # what PatchEmbed.cropped_table refuses
-            raise UserError(f"{what}: latent grid {height // multiple}x{width // multiple} patches exceeds the "
-                            f"position table ({table}x{table}): use a smaller resolution or a model with a larger "
-                            "pos_embed_max_size")
+        try:
+            check_patch_grid(height // multiple, width // multiple, config.pos_embed_max_size)
+        except ValueError as e:
+            raise UserError(f"{what}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.training_data import read_prompt_file  # noqa: E402
+from dataset.image_folder import read_prompt_file  # noqa: E402
 from eval.sampling import load_for_sampling, output_path, sample_images, sampler_for, save_grid  # noqa: E402
 from model.errors import UserError, run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR  # noqa: E402

@@ -196,6 +196,13 @@ def timestep_sinusoids(timestep, dim=256, max_period=10000):
     return torch.cat([args.cos(), args.sin()], dim=-1)
 
 
+def check_patch_grid(h, w, max_size):
+    """A latent grid of h x w patches must fit the position table (`max_size` patches a side): ValueError if not."""
+    if h > max_size or w > max_size:
+        raise ValueError(f"latent grid {h}x{w} patches exceeds the position table ({max_size}x{max_size}): use a "
+                         "smaller resolution or a model with a larger pos_embed_max_size")
+
+
 class PatchEmbed(nn.Module):
     """Conv patchify plus the centre-cropped fixed position table (persistent: it is in the state dict)."""
 
@@ -208,9 +215,7 @@ class PatchEmbed(nn.Module):
         self.register_buffer("pos_embed", table.unsqueeze(0), persistent=True)
 
     def cropped_table(self, h, w):
-        if h > self.max_size or w > self.max_size:
-            raise ValueError(f"latent grid {h}x{w} patches exceeds the position table ({self.max_size}x"
-                             f"{self.max_size}): use a smaller resolution or a model with a larger pos_embed_max_size")
+        check_patch_grid(h, w, self.max_size)
         top, left = (self.max_size - h) // 2, (self.max_size - w) // 2
         table = self.pos_embed.view(self.max_size, self.max_size, -1)[top:top + h, left:left + w]
         return table.reshape(1, h * w, -1)
