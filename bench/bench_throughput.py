@@ -41,7 +41,7 @@ if REPO not in sys.path:
 from bench.bench_peers import TARGETS  # noqa: E402
 from bench.bench_peers import step_inputs as peer_inputs  # noqa: E402
 from model.flops import FlopCount, peak_flops  # noqa: E402
-from model.memory import GIB, MemoryPlan, fitted_checkpointing, kept_value_bytes  # noqa: E402
+from model.memory import GIB, MemoryPlan, fitted_plan, kept_value_bytes  # noqa: E402
 from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
@@ -145,8 +145,8 @@ def recomputed(settings, resolution):
         apply_lora(model, ["attention"], RANK)
         plan = MemoryPlan((sum(p.numel() for p in lora_parameters(model)),), "adamw", False, "auto", settings.batch,
                           resolution, "auto")
-    return fitted_checkpointing(config, plan, CARD, ("bf16", 1, 0, "cuda"), (DOWNSCALE, TEXT_TOKENS),
-                                kept_value_bytes("bf16", "cuda")).checkpointing
+    return fitted_plan(config, plan, CARD, ("bf16", 1, 0, "cuda"), (DOWNSCALE, TEXT_TOKENS),
+                       kept_value_bytes("bf16", "cuda")).checkpointing
 
 
 def optimizer_for(settings, params):

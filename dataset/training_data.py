@@ -23,7 +23,9 @@ from dataset.samples import EpochSamples, count_short_of
 from dataset.shapes import SHAPES_VERSION
 from model.components import BuiltinComponents
 from model.errors import UserError
-from model.file_io import json_digest
+from model.checkpoint import load_safetensors
+from model.file_io import json_digest, write_safetensors
+from model.memory import fit_cache_build
 from model.model_sd3light import check_patch_grid
 from model.rectified_flow import mask_to_latents
 
@@ -216,6 +218,9 @@ def ready_data(settings, data, components, config, info, batch_size, log):
     validation images encoded in batches of `batch_size` while the text encoders are in memory, on the ranks that
     score them, and the cache built (the text encoders then freed)."""
     check_image_sizes(settings.resolution, data.dataset, config, components)
+    if hasattr(components, "stream_text_encoders"):  # SD3's: what the device holds while they encode, planned
+        components.stream_text_encoders(fit_cache_build(components.encoder_sizes(), settings.encode_batch_size,
+                                                        settings.resolution, info.device, log))
     validation = None
     if data.held_out is not None and (info.is_main or info.sharded):
         validation = encode_heldout(components, data.held_out, settings.val_samples, batch_size, info.device)
@@ -357,6 +362,23 @@ def features_to_train_on(settings, dataset, components, prompts, info, log):
         features = getattr(cache, "source", cache)  # the cache itself, under an epoch's slots (EpochSamples)
         log(f"--cache_only: the cache of {len(features)} samples is ready in {features.folder}")
         return None
-    if hasattr(components, "free_text_encoders"):
-        components.free_text_encoders(prompts)  # their memory is the transformer's now
+    if hasattr(components, "free_text_encoders"):  # their memory is the transformer's now
+        components.free_text_encoders(prompts, encoded_prompts(getattr(cache, "source", cache).folder, prompts,
+                                                               components))
     return cache
+
+
+def encoded_prompts(folder, prompts, components):
+    """The sample grids' prompts as the text encoders give them (components.condition: tokens, pooled), kept in
+    the cache `folder` beside the features: a run whose cache is complete encodes nothing, these included, and its
+    text encoders never reach the device."""
+    path = os.path.join(folder, f"prompts-{json_digest([list(prompts), components.identity()])[:16]}.safetensors")
+    if os.path.isfile(path):
+        try:
+            kept = load_safetensors(path)
+            return kept["tokens"], kept["pooled"]
+        except (OSError, ValueError, KeyError, RuntimeError):  # damaged: encoded again below
+            pass
+    tokens, pooled = components.condition(components.encode_text(prompts))
+    write_safetensors(path, {"tokens": tokens.cpu().contiguous(), "pooled": pooled.cpu().contiguous()})
+    return tokens, pooled

@@ -19,23 +19,31 @@ def sample_images(model, components, prompts, seed, sampler, device):
     """Generate one image per prompt with fixed noise (prompt i's noise seeded with seed + i, or with seed[i] for
     a list of seeds), as `sampler` (model/rectified_flow.Sampler) says -> images in [-1, 1] on CPU. A re-noising
     sampler draws each prompt's fresh noise from its own seeded stream, as diffusers' pipeline draws it from its
-    generator. The latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
-    was_training, device, autocast = model.training, torch.device(device), sampler.autocast
+    generator. The prompts go sampler.batch at a time (all of them for 0), each with its own noise either way; the
+    latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
+    was_training, device = model.training, torch.device(device)
     model.eval()
     tokens, pooled = components.encode_prompts(prompts)
-    side = sampler.resolution // components.downscale
-    shape = (components.latent_channels, side, side)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
+    step = sampler.batch or len(prompts)
+    latents = torch.cat([sampled_latents(model, components, (tokens[k:k + step], pooled[k:k + step]),
+                                         seeds[k:k + step], sampler, device) for k in range(0, len(prompts), step)])
+    model.train(was_training)
+    return torch.cat([components.decode_latents(latent[None]).float().cpu() for latent in latents.float()])
+
+
+def sampled_latents(model, components, text, seeds, sampler, device):
+    """The latents of one forward's prompts (`text`: their tokens and pooled vectors), each from its own seed."""
+    side = sampler.resolution // components.downscale
+    shape, autocast = (components.latent_channels, side, side), sampler.autocast
     streams = [torch.Generator().manual_seed(s) for s in seeds]
 
     def fresh_noise():
         return torch.stack([torch.randn(shape, generator=stream) for stream in streams]).to(device)
 
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-        latents = euler_sample(model, fresh_noise(), tokens.to(device), pooled.to(device), sampler,
-                               fresh_noise=fresh_noise if sampler.renoise else None)
-    model.train(was_training)
-    return torch.cat([components.decode_latents(latent[None]).float().cpu() for latent in latents.float()])
+        return euler_sample(model, fresh_noise(), text[0].to(device), text[1].to(device), sampler,
+                            fresh_noise=fresh_noise if sampler.renoise else None)
 
 
 def sampler_for(record, steps=None, cfg=None, shift=None, resolution=None):

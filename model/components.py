@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model.block_swap import BlockSwap
 from model.clip_text import CLIPText
 from model.errors import UserError
 from model.token_routing import to_device
@@ -186,7 +187,10 @@ def check_sd3_folder(path):
 
 class SD3Components(nn.Module):
     """The SD3 / SD3.5 VAE and text encoders from a local diffusers folder, frozen. They run without gradients,
-    in `dtype` (a run's --frozen_dtype; by default bf16 on a GPU, fp32 on a CPU).
+    in `dtype` (a run's --frozen_dtype; by default bf16 on a GPU, fp32 on a CPU). The VAE is on `device` at once;
+    the text encoders are read into host memory and come to the device when they first encode (never, where the
+    cache already holds what they would encode), whole or, for those stream_text_encoders names, with their layers
+    streamed from host memory one ahead of their use (model/block_swap.py: T5-XXL on a small card).
 
     Text, as StableDiffusion3Pipeline.encode_prompt forms it: CLIP-L and CLIP-G each take 77 tokens; their
     penultimate hidden states are joined on the feature axis and zero-padded to T5's width, and T5's sequence
@@ -219,13 +223,14 @@ class SD3Components(nn.Module):
                     from None
 
         def frozen(module):
-            return module.to(device).eval().requires_grad_(False)
+            return module.eval().requires_grad_(False)
 
-        self.vae = frozen(load(AutoencoderKL, "vae"))
+        self.vae = frozen(load(AutoencoderKL, "vae")).to(device)
         self.clip_l, self.clip_g = frozen(load(CLIPTextModelWithProjection, "text_encoder")), \
             frozen(load(CLIPTextModelWithProjection, "text_encoder_2"))
+        self.streamed, self.placed = (), False  # the text encoders whose layers stream; whether they are on the device
         self.tokenizers = {"clip_l": load(CLIPTokenizer, "tokenizer"), "clip_g": load(CLIPTokenizer, "tokenizer_2")}
-        self.t5 = frozen(load(T5EncoderModel, "text_encoder_3")) if has_t5 else None
+        self.t5, self.t5_swap = frozen(load(T5EncoderModel, "text_encoder_3")) if has_t5 else None, None
         if has_t5:
             self.tokenizers["t5"] = load(AutoTokenizer, "tokenizer_3")
         self.text_encoders = ("clip_l", "clip_g", "t5") if has_t5 else ("clip_l", "clip_g")
@@ -279,12 +284,43 @@ class SD3Components(nn.Module):
         images = self.vae.decode((latents.to(self.device, self.dtype) / self.scaling_factor) + self.shift_factor)
         return images.sample.float().clamp(-1, 1)
 
+    def encoder_sizes(self):
+        """{name: (bytes whole, bytes of its layers that can stream, bytes of the largest of them)} of the VAE and
+        the text encoders, as held: what building the cache holds on the device (model/memory.py)."""
+        sizes = {"VAE": (module_bytes(self.vae), 0, 0), "CLIP-L": (module_bytes(self.clip_l), 0, 0),
+                 "CLIP-G": (module_bytes(self.clip_g), 0, 0)}
+        if self.t5 is not None:
+            layers = [module_bytes(layer) for layer in self.t5.encoder.block]
+            sizes["T5"] = (module_bytes(self.t5), sum(layers), max(layers))
+        return sizes
+
+    def stream_text_encoders(self, names):
+        """Which text encoders (by encoder_sizes' names: "T5") keep their layers in host memory when they come to
+        the device, each layer copied in one ahead of its use: what fits the card (model/memory.py
+        fit_cache_build). Said before they first encode; the others come whole."""
+        self.streamed = tuple(names)
+
+    def text_encoders_in(self):
+        """The text encoders on the device, as stream_text_encoders said (whole by default), once."""
+        if self.placed or self.clip_l is None:
+            return
+        self.placed = True
+        self.clip_l, self.clip_g = self.clip_l.to(self.device), self.clip_g.to(self.device)
+        if self.t5 is not None and "T5" in self.streamed:
+            for name, child in [*self.t5.named_children(), *self.t5.encoder.named_children()]:
+                if name not in ("encoder", "block"):  # the embedding, the final norm: on the device for good
+                    child.to(self.device)
+            self.t5_swap = BlockSwap(self.t5.encoder.block, len(self.t5.encoder.block), self.device)
+        elif self.t5 is not None:
+            self.t5 = self.t5.to(self.device)
+
     @torch.no_grad()
     def encode_text(self, captions):
         captions = list(captions)
         if self.clip_l is None:
             raise UserError("the text encoders were freed once training read the cache: only the sample grids' "
                             "prompts are kept encoded")
+        self.text_encoders_in()  # on the device, if they are not yet
         features = {}
         clip_limit = self.tokenizers["clip_l"].model_max_length
         self.truncated_captions += sum(len(ids) > clip_limit for ids in self.tokenizers["clip_l"](captions).input_ids)
@@ -301,11 +337,12 @@ class SD3Components(nn.Module):
             features["t5_tokens"] = self.t5(ids)[0].to(self.device)
         return features
 
-    def free_text_encoders(self, prompts):
-        """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now and
-        free the encoders (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
-        self.prompt_memo[tuple(prompts)] = self.condition(self.encode_text(prompts))
-        self.clip_l = self.clip_g = self.t5 = None
+    def free_text_encoders(self, prompts, encoded=None):
+        """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now (or
+        take them `encoded`: condition's tokens and pooled, kept from an earlier run) and free the encoders
+        (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
+        self.prompt_memo[tuple(prompts)] = encoded or self.condition(self.encode_text(prompts))
+        self.clip_l = self.clip_g = self.t5 = self.t5_swap = None
         if self.device.type == "cuda":  # torch's allocator keeps what they held reserved: give it back to the GPU
             torch.cuda.empty_cache()
 
@@ -353,6 +390,13 @@ def drop_captions(tokens, pooled, drop):
     """Zero the text of the samples where `drop` [B] is True: the unconditional input."""
     keep = (~drop).to(tokens.dtype)
     return tokens * keep[:, None, None], pooled * keep[:, None]
+
+
+def module_bytes(module):
+    """Bytes of a module's parameters and buffers as held now (None and freed parts count nothing)."""
+    if module is None:
+        return 0
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
 def transformer_widths(components):

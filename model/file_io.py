@@ -211,4 +211,13 @@ def drop_pages(tensor, ranges):
     start = -(-storage.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (storage.data_ptr() + storage.nbytes()) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start and any(low <= start and end <= high for low, high in ranges):
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+        release_pages(start, end - start)
+
+
+def release_pages(start, length):
+    """madvise(MADV_DONTNEED) through the C library: where there is none to call (Windows has no madvise, nor
+    CDLL(None)), the pages stay mapped until the file is unmapped, which costs memory, not correctness."""
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_DONTNEED)
+    except (OSError, AttributeError, TypeError):
+        pass

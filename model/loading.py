@@ -86,17 +86,27 @@ def block_of(name):
     return ".".join(parts[:2]) if parts[0] == "transformer_blocks" else None
 
 
+def block_index(name):
+    """'transformer_blocks.7.attn.to_q.weight' -> 7; None outside the blocks."""
+    block = block_of(name)
+    return None if block is None else int(block.split(".")[1])
+
+
 @torch.no_grad()
-def fill(model, files, dtype, device, after_block=None):
+def fill(model, files, dtype, device, after_block=None, host_blocks=0):
     """Fill the meta `model` from `files` (TensorFiles), strictly (every key, right shapes: a StateDictMismatchError
-    names the ones that differ), each floating-point tensor in `dtype` on `device`, in the model's own order.
-    `after_block(module)` runs on each transformer block, and on the model once for what is outside the blocks,
-    as soon as it is filled (int8: quantise it before the next is read). -> the model."""
+    names the ones that differ), each floating-point tensor in `dtype` on `device`, in the model's own order; the
+    first `host_blocks` transformer blocks in host memory instead (block swap: model/block_swap.py streams them to
+    the device around each use, so they are never on it whole). `after_block(module)` runs on each transformer
+    block, and on the model once for what is outside the blocks, as soon as it is filled (int8: quantise it before
+    the next is read). -> the model."""
     check_state_dict(model, files.shapes())
     names = list(model.state_dict())
     for i, name in enumerate(names):
         tensor = files.read(name)
-        put(model, name, tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype))
+        index = block_index(name)
+        where = "cpu" if index is not None and index < host_blocks else device
+        put(model, name, tensor.to(where, dtype if tensor.is_floating_point() else tensor.dtype))
         del tensor
         block = block_of(name)
         if block is not None and (i + 1 == len(names) or block_of(names[i + 1]) != block):

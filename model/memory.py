@@ -21,12 +21,13 @@ and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a
 A stage calls fit_memory (auto resolved, the estimate logged). Checked against measured peaks by
 bench/bench_memory.py (BENCHMARKS.md).
 """
+import math
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
-from model.components import text_tokens
+from model.components import module_bytes, text_tokens
 from model.model_sd3light import blocks_recomputed, meta_model
 
 GIB = 2 ** 30
@@ -64,73 +65,159 @@ def activation_bytes(config, batch, resolution, downscale, text_tokens, checkpoi
 class MemoryPlan:
     """What a run holds and computes, for the estimate: its transformers (`networks`, each "trained", "frozen",
     or the number of trainable adapter parameters on a frozen one), the optimizer, whether it keeps an EMA and
-    where (`ema_device`: --ema_device, "cpu" keeps it off a GPU), and one micro-batch: its size, resolution and
-    whether it recomputes each block in backward (`checkpointing`)."""
+    where (`ema_device`: --ema_device, "cpu" keeps it off a GPU), one micro-batch: its size, resolution and
+    whether it recomputes each block in backward (`checkpointing`), and how many of the first network's blocks
+    stream from host memory (`blocks_to_swap`: model/block_swap.py)."""
     networks: tuple
     optimizer: str
     ema: bool
     ema_device: str
     batch_size: int
     resolution: int
-    checkpointing: object  # --gradient_checkpointing: True, False, "auto" (auto_checkpointing), or a block count
+    checkpointing: object  # --gradient_checkpointing: True, False, "auto" (fitted_plan), or a block count
     trained_dtype: str = "fp32"  # --trained_dtype: what trained weights, gradients (and AdamW's moments) are held in
     step_in_backward: bool = False  # --step_in_backward 1: no more than one gradient at a time
+    blocks_to_swap: object = 0  # --blocks_to_swap: a count, or "auto" (fitted_plan)
 
 
 def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
     """-> {part: bytes} of one process's peak, for `plan` (MemoryPlan) with transformers of `config`, its frozen
     networks held in `frozen_dtype`, its state sharded over `shards` processes."""
-    sizes = [p.numel() for p in meta_model(config).parameters()]  # one model on the meta device: no memory
+    model = meta_model(config)  # one model on the meta device: no memory
+    sizes = [p.numel() for p in model.parameters()]
     params, largest = sum(sizes), max(sizes)
     trained = [params if net == "trained" else 0 if net == "frozen" else net for net in plan.networks]
     frozen = sum(params for net in plan.networks if net != "trained") * frozen_bytes(frozen_dtype)
     ema_on_device = plan.ema and (device_type == "cpu" or plan.ema_device != "cpu")
     weight = 2 if plan.trained_dtype == "bf16" else 4
-    moments = 4 if plan.trained_dtype == "bf16" and plan.optimizer == "adamw" else None
     parts = {"weights": weight * sum(trained) + frozen,
              "gradients": weight * (min(largest, sum(trained)) if plan.step_in_backward else sum(trained)),
-             "optimizer": sum(moments * n if moments else optimizer_bytes(config, plan.optimizer, n) for n in trained),
+             "optimizer": sum(state_bytes(config, plan, n) for n in trained),
              "EMA": 4 * sum(trained) if ema_on_device else 0}
     if shards > 1:
         parts = {k: v / shards for k, v in parts.items()}
         parts["gathered block"] = 2 * params / config.num_layers
+    if plan.blocks_to_swap:
+        parts = with_swap(parts, plan, frozen_dtype, swap_sizes(block_shapes(model), plan.blocks_to_swap))
     save = 2 * 4 * largest if device_type == "cpu" and any(trained) else 0  # one tensor written, one read back
     parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type], save=save)
     return parts
 
 
-def auto_checkpointing(config, plan, components, precision, info):
-    """`plan` with --gradient_checkpointing auto resolved, as estimate_lines weighs it: the fewest blocks recomputed
-    in backward (the first ones) for the estimate to fit AUTO_SHARE of the device's memory, every block where
-    nothing less fits. Recomputing a block costs a second forward of it: at batch 1 on a large GPU, a step with
-    none recomputed took half the time. A plan without auto comes back as it is."""
+def state_bytes(config, plan, trained):
+    """The optimizer state of `trained` parameters: AdamW's moments in bf16 for bf16 weights (torchao), else
+    optimizer_bytes."""
+    if plan.trained_dtype == "bf16" and plan.optimizer == "adamw":
+        return 4 * trained
+    return optimizer_bytes(config, plan.optimizer, trained)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Block swap: the first blocks' weights in host memory, streamed through buffers on the device
+
+
+def block_shapes(model):
+    """Each transformer block of `model` (on the meta device) as (its parameter count, its shape: blocks of one
+    shape share the swap's buffers)."""
+    return [(sum(p.numel() for p in block.parameters()), tuple(tuple(p.shape) for p in block.parameters()))
+            for block in model.transformer_blocks]
+
+
+def swap_sizes(blocks, count):
+    """-> (the parameters of the first `count` of `blocks` (block_shapes), those the device's buffers hold while
+    they stream: of each shape among them one block, two where two or more of that shape stream)."""
+    moved = blocks[:count]
+    shapes = {}
+    for size, shape in moved:
+        shapes.setdefault(shape, []).append(size)
+    return sum(size for size, _ in moved), sum(sum(sizes[:2]) for sizes in shapes.values())
+
+
+def swapped_parameter_bytes(plan, frozen_dtype):
+    """What a swapped parameter takes, in host memory and in a buffer: a frozen base's weight; a trained one's weight
+    and its optimizer state (a full fine-tune stepped in backward: both stream)."""
+    if plan.networks[0] != "trained":
+        return frozen_bytes(frozen_dtype)
+    state = 4 if plan.trained_dtype == "bf16" and plan.optimizer == "adamw" else OPTIMIZER_BYTES[plan.optimizer]
+    return (2 if plan.trained_dtype == "bf16" else 4) + state
+
+
+def with_swap(parts, plan, frozen_dtype, swapped):
+    """`parts` (estimate's, nothing swapped) with plan.blocks_to_swap of the first network's blocks streamed: their
+    weights (trained: and their optimizer state and EMA) off the device, the buffers they stream through on it.
+    `swapped`: swap_sizes'."""
+    moved, buffered = swapped
+    per = swapped_parameter_bytes(plan, frozen_dtype)
+    parts = dict(parts)
+    parts["weights"] -= moved * (frozen_bytes(frozen_dtype) if plan.networks[0] != "trained" else
+                                 2 if plan.trained_dtype == "bf16" else 4)
+    if plan.networks[0] == "trained":
+        parts["optimizer"] -= moved * (per - (2 if plan.trained_dtype == "bf16" else 4))
+        parts["EMA"] -= 4 * moved if parts["EMA"] else 0  # the EMA of host weights is kept in host memory
+    parts["swap buffers"] = per * buffered
+    return parts
+
+
+def swap_host_bytes(config, plan, frozen_dtype):
+    """Host memory the swapped blocks take (pinned on a GPU): their weights, a trained one's optimizer state and
+    EMA too."""
+    moved, _ = swap_sizes(block_shapes(meta_model(config)), plan.blocks_to_swap or 0)
+    ema = 4 * moved if plan.ema and plan.networks[0] == "trained" else 0
+    return moved * swapped_parameter_bytes(plan, frozen_dtype) + ema
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Planning: what is recomputed and what is swapped, for the estimate to fit the device
+
+
+def run_holding(components, precision, info):
+    """What the estimate reads of a run besides its plan -> (holding: the frozen dtype, the shards, the components'
+    bytes, the device type; latent: the components' downscale and text tokens; the bytes of a value backward
+    keeps)."""
     device = info.device
     holding = (precision.frozen, info.mesh.shape[-1] if info.sharded else 1, module_bytes(components), device.type)
-    return fitted_checkpointing(config, plan, device_memory(device), holding,
-                                (components.downscale, text_tokens(components)),
-                                kept_value_bytes(precision.compute, device.type))
+    return holding, (components.downscale, text_tokens(components)), kept_value_bytes(precision.compute, device.type)
 
 
 def fit_memory(config, plan, components, precision, info, log):
-    """What a stage calls: the run's memory plan (MemoryPlan) with --gradient_checkpointing auto resolved to the
-    fewest blocks that fit the device, and its estimate logged -> the plan (`plan.checkpointing`: what the model
-    recomputes in backward)."""
-    plan = auto_checkpointing(config, plan, components, precision, info)
+    """What a stage calls: the run's memory plan (MemoryPlan) with --gradient_checkpointing auto and --blocks_to_swap
+    auto resolved for the device (fitted_plan), and its estimate logged -> the plan (`plan.checkpointing`: what the
+    model recomputes in backward; `plan.blocks_to_swap`: how many blocks stream from host memory)."""
+    plan = fitted_plan(config, plan, device_memory(info.device), *run_holding(components, precision, info))
     for line in estimate_lines(config, plan, components, precision, info):
         log(line)
     return plan
 
 
-def fitted_checkpointing(config, plan, memory_bytes, holding, latent, value_bytes):
-    """`plan` with --gradient_checkpointing auto resolved for a device of `memory_bytes`: what is not activations
-    (estimate, `holding` its frozen dtype, shards, components' bytes and device type) first, then the fewest blocks
-    recomputed for the activations to fit in what AUTO_SHARE of the memory leaves (fewest_recomputed)."""
-    if plan.checkpointing != "auto":
-        return plan
+def fitted_plan(config, plan, memory_bytes, holding, latent, value_bytes):
+    """`plan` with --gradient_checkpointing auto and --blocks_to_swap auto resolved for a device of `memory_bytes`
+    (`holding`, `latent`, `value_bytes`: run_holding's): the fewest blocks swapped, then the fewest recomputed, for
+    the estimate to fit AUTO_SHARE of it; everything swapped and recomputed where nothing less fits.
+
+    Recomputation is spent first, swapping only where recomputing every block does not fit: a recomputed block
+    frees its activations (at 1024 px more than its weights take: SD3.5-Large's 0.56 GiB against 0.42 in bf16) at
+    the cost of a second forward and nothing else, while a swapped block frees its weights but is recomputed anyway
+    (what backward keeps of it must hold no weight) and crosses to the device twice a step. A swapped block is
+    always among the recomputed ones (both are the first blocks). On a CPU, auto swaps nothing: host and device
+    memory are one."""
     frozen_dtype, shards, components_bytes, device_type = holding
-    parts = estimate(config, plan, frozen_dtype, shards, 0, components_bytes, device_type)
-    return replace(plan, checkpointing=fewest_recomputed(config, plan, activation_room(parts, memory_bytes), latent,
-                                                         value_bytes))
+    counts = [plan.blocks_to_swap] if plan.blocks_to_swap != "auto" else \
+        range(config.num_layers + 1) if device_type == "cuda" else [0]
+    model = meta_model(config)
+    base = estimate(config, replace(plan, blocks_to_swap=0), frozen_dtype, shards, 0, components_bytes, device_type)
+    for count in counts:
+        candidate = replace(plan, blocks_to_swap=count)
+        parts = with_swap(base, candidate, frozen_dtype, swap_sizes(block_shapes(model), count)) if count else base
+        room = activation_room(parts, memory_bytes)
+        if plan.checkpointing == "auto":
+            recomputed = fewest_recomputed(config, candidate, room, latent, value_bytes, at_least=count)
+        else:
+            recomputed = plan.checkpointing if blocks_recomputed(plan.checkpointing, config.num_layers) >= count \
+                else count
+        kept = activation_bytes(config, plan.batch_size, plan.resolution, *latent, recomputed, value_bytes)
+        if kept <= room or count == counts[-1]:
+            return replace(candidate, checkpointing=recomputed)
+    raise AssertionError("unreachable: the last count returns")
 
 
 def activation_room(parts, memory_bytes):
@@ -138,10 +225,11 @@ def activation_room(parts, memory_bytes):
     return AUTO_SHARE * memory_bytes - (sum(parts.values()) - parts["activations"])
 
 
-def fewest_recomputed(config, plan, room, latent, value_bytes):
-    """The fewest blocks recomputed for `plan`'s micro-batch to keep at most `room` bytes of activations (`latent`:
-    the components' downscale and text tokens; `value_bytes`: kept_value_bytes), or True (every block)."""
-    for blocks in range(config.num_layers + 1):
+def fewest_recomputed(config, plan, room, latent, value_bytes, at_least=0):
+    """The fewest blocks recomputed (at least `at_least`) for `plan`'s micro-batch to keep at most `room` bytes of
+    activations (`latent`: the components' downscale and text tokens; `value_bytes`: kept_value_bytes), or True
+    (every block)."""
+    for blocks in range(at_least, config.num_layers + 1):
         if activation_bytes(config, plan.batch_size, plan.resolution, *latent, blocks, value_bytes) <= room:
             return blocks
     return True
@@ -158,21 +246,22 @@ def estimate_lines(config, plan, components, precision, info):
     """The estimate of one process's peak for `plan` (MemoryPlan) held and computed as `precision`
     (model/precision.Precision) says, on info's processes and device (sharded over the mesh's last dimension),
     with `components` as loaded now: in one line, and a warning line where it exceeds the device's memory (the
-    run starts either way)."""
+    run starts either way); with blocks swapped, what they take of host memory and whether the host has it."""
     device = info.device
-    text = text_tokens(components)
-    activations = activation_bytes(config, plan.batch_size, plan.resolution, components.downscale, text,
-                                   plan.checkpointing, kept_value_bytes(precision.compute, device.type))
-    shards = info.mesh.shape[-1] if info.sharded else 1
-    parts = estimate(config, plan, precision.frozen, shards, activations, module_bytes(components), device.type)
+    holding, latent, value_bytes = run_holding(components, precision, info)
+    activations = activation_bytes(config, plan.batch_size, plan.resolution, *latent, plan.checkpointing, value_bytes)
+    shards = holding[1]
+    parts = estimate(config, plan, precision.frozen, shards, activations, holding[2], device.type)
     available = device_memory(device)
     line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
     line += f"; blocks recomputed in backward: {blocks_recomputed(plan.checkpointing, config.num_layers)} of " \
         f"{config.num_layers}"
+    if plan.blocks_to_swap:
+        line += f"; blocks swapped to host memory: {plan.blocks_to_swap} of {config.num_layers} " \
+            f"({swap_host_bytes(config, plan, precision.frozen) / GIB:.2f} GiB there)"
     if device.type == "cuda":  # what a faster run could take: a larger micro-batch
-        largest = largest_batch(config, plan, activation_room(parts, available), (components.downscale, text),
-                                kept_value_bytes(precision.compute, device.type))
+        largest = largest_batch(config, plan, activation_room(parts, available), latent, value_bytes)
         line += f"; the largest micro-batch that fits {AUTO_SHARE:.0%} of it: {largest} recomputing every block"
     options = levers(plan, shards) if warning else []
     if options:  # a full fine-tune: which of its levers would make it fit
@@ -181,10 +270,30 @@ def estimate_lines(config, plan, components, precision, info):
                                    device.type).values()) <= available]
         warning += f"; each of these would fit: {'; '.join(fitting)}" if fitting else \
             "; none of the full fine-tune's levers would fit alone: shard over more processes"
-    lines = [line] + ([warning] if warning else [])
+    lines = [line] + ([warning] if warning else []) + swap_lines(config, plan, precision.frozen, device)
     if info.sharded and device.type == "cuda":  # what stays whole: rank 0's copy, in host memory, not on a GPU
         lines.append(f"rank 0 loads the whole weights ({parts['weights'] * shards / GIB:.2f} GiB) in host memory and "
                      "broadcasts them into the shards one tensor at a time")
+    return lines
+
+
+def swap_lines(config, plan, frozen_dtype, device):
+    """With blocks swapped: on a CPU, that it saves nothing there; on a GPU, a warning where the host's free memory
+    or its locked-memory limit (ulimit -l: pinned memory) is below what they take. Said before the weights load."""
+    if not plan.blocks_to_swap:
+        return []
+    if device.type != "cuda":
+        return [f"--blocks_to_swap on a CPU: the {plan.blocks_to_swap} blocks are held apart and copied in and out "
+                "around each use as on a GPU, but host and device memory are one here: it saves nothing"]
+    needed, lines = swap_host_bytes(config, plan, frozen_dtype), []
+    free, locked = host_memory(), locked_memory_limit()
+    if free is not None and needed > free:
+        lines.append(f"warning: the swapped blocks take {needed / GIB:.1f} GiB of host memory and the host has "
+                     f"{free / GIB:.1f} GiB free: close other programs, or pass --frozen_dtype int8 (half the bytes)")
+    if locked is not None and needed > locked:
+        lines.append(f"warning: the swapped blocks pin {needed / GIB:.1f} GiB of host memory and the locked-memory "
+                     f"limit is {locked / GIB:.2f} GiB (ulimit -l): raise it (ulimit -l unlimited, or the container's "
+                     "--ulimit memlock=-1); if pinning fails the copies go from pageable memory, more slowly")
     return lines
 
 
@@ -197,30 +306,66 @@ def optimizer_bytes(config, optimizer, trained):
     return OPTIMIZER_BYTES[optimizer] * trained
 
 
-def module_bytes(module):
-    """Bytes of a module's parameters and buffers as held now (None and freed parts count nothing)."""
-    if module is None:
-        return 0
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
 def device_memory(device):
     """Bytes of memory the run may use: on a GPU what is free (other processes' memory is not the run's) plus what
-    torch holds reserved for this process already (the components); on a CPU the machine's RAM."""
+    torch holds reserved for this process already (the components), within the share of the card the process may
+    take (torch.cuda.set_per_process_memory_fraction: a large GPU standing in for a small card); on a CPU the
+    machine's RAM (inf where the system does not say: nothing is planned to fit it)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        free, total = torch.cuda.mem_get_info(device)
+        try:
+            fraction = torch.cuda.get_per_process_memory_fraction(device)
+        except (RuntimeError, AttributeError, AssertionError):  # no cap set, or a torch that has no such call
+            fraction = 1.0
+        return min(free + torch.cuda.memory_reserved(device), fraction * total)
+    return system_memory("SC_PHYS_PAGES") or math.inf
+
+
+def system_memory(pages):
+    """`pages` ("SC_PHYS_PAGES": all of it; "SC_AVPHYS_PAGES": what is free) of this machine's RAM in bytes, or None
+    where os.sysconf does not tell (Windows)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def host_memory():
+    """Bytes of host memory free for the run now (Linux: MemAvailable, which counts the page cache it may take back),
+    or None where the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return system_memory("SC_AVPHYS_PAGES")
+
+
+def locked_memory_limit():
+    """The locked-memory limit in bytes (ulimit -l: what pinned memory may take), or None where there is none or the
+    system has no such limit (Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def peak_rss():
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    import resource
-
+    """This process's peak resident memory so far, in bytes (Linux reports KiB), or None where the system does not
+    say (Windows: no `resource` module)."""
+    try:
+        import resource
+    except ImportError:
+        return None
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-LEVERS = ("--gradient_checkpointing 1 (or auto)", "--batch_size", "--frozen_dtype int8", "--optimizer adamw8bit",
-          "--trained_dtype bf16", "--step_in_backward 1", "--fsdp 1")
+LEVERS = ("--gradient_checkpointing 1 (or auto)", "--batch_size", "--frozen_dtype int8", "--blocks_to_swap auto",
+          "--optimizer adamw8bit", "--trained_dtype bf16", "--step_in_backward 1", "--fsdp 1")
 
 
 def levers(plan, shards):
@@ -241,8 +386,92 @@ def describe(parts, available, where):
     """The log line, and the warning line where the total exceeds what the device has (or None)."""
     total = sum(parts.values())
     shown = ", ".join(f"{name} {value / GIB:.2f}" for name, value in parts.items() if value)
-    line = f"memory estimate per process: {total / GIB:.1f} GiB ({shown} GiB) on {where} of {available / GIB:.0f} GiB"
+    size = "unknown size" if math.isinf(available) else f"{available / GIB:.0f} GiB"
+    line = f"memory estimate per process: {total / GIB:.1f} GiB ({shown} GiB) on {where} of {size}"
     if total <= available:
         return line, None
     return line, (f"warning: the estimate ({total / GIB:.1f} GiB) exceeds the {available / GIB:.0f} GiB of {where}; "
                   f"levers: {', '.join(LEVERS)}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sample grids while blocks are swapped
+
+
+INFERENCE_WORDS = 12  # values per token and unit of width one block holds at once in a forward without gradients
+# (its input, the norms, q, k, v, the attention's output, the MLP's 4x hidden and its GELU; not measured)
+VAE_DECODE_VALUES = 964  # values a pixel the SD3 VAE's decoder holds at its peak (bench/bench_vae.py: 512 px, fp32)
+VAE_ENCODE_VALUES = 640  # and its encoder
+
+
+def sampling_fit(config, room, swapped, prompts, tokens, decode_bytes):
+    """How a sample grid fits `room` bytes of the device beside what the run holds -> (prompts a forward, swapped
+    blocks that still stream): the most prompts a forward (all of them, else halved until they fit with every
+    swapped block streaming), then as few blocks streamed as the rest of the room allows, the others brought in
+    once for the grid. `swapped`: (how many, bytes a block); `tokens`: a forward's tokens a sample (image and text);
+    `decode_bytes`: the VAE's decode of one image (after the forwards, while the kept blocks are still in)."""
+    count, block_bytes = swapped
+    per_forward = prompts
+    while per_forward > 1 and sampling_need(config, per_forward, tokens, decode_bytes) > room:
+        per_forward = (per_forward + 1) // 2
+    spare = room - sampling_need(config, per_forward, tokens, decode_bytes)
+    kept = max(0, min(count, int(spare // block_bytes))) if block_bytes else count
+    return per_forward, count - kept
+
+
+def sampling_need(config, prompts, tokens, decode_bytes):
+    """The larger of a guided forward's activations for `prompts` (two samples each: with and without the text,
+    bf16) and the VAE's decode of one image."""
+    return max(INFERENCE_WORDS * 2 * prompts * tokens * config.inner_dim * 2, decode_bytes)
+
+
+def sampling_room(device):
+    """What a sample grid may take of a GPU now: AUTO_SHARE of its memory less what the run holds."""
+    return AUTO_SHARE * device_memory(device) - torch.cuda.memory_allocated(device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Building the cache: the VAE and text encoders, before the transformer is loaded
+
+
+def cache_build_estimate(encoders, streamed, batch, resolution, value_bytes, device_type):
+    """-> {part: bytes} of the device's peak while the cache is built: the VAE and each text encoder as it runs
+    (`encoders`: {name: (bytes whole, bytes of its layers, bytes of its largest layer)}), whole, or for those in
+    `streamed` all but their layers, which come in two at a time (model/block_swap.py); the VAE encoder's activations
+    for `batch` images of `resolution` px (VAE_ENCODE_VALUES a pixel, of `value_bytes`); and the runtime."""
+    parts = {}
+    for name, (whole, layers, largest) in encoders.items():
+        parts[name + (" streamed" if name in streamed else "")] = whole - layers + 2 * largest \
+            if name in streamed else whole
+    parts["VAE activations"] = VAE_ENCODE_VALUES * value_bytes * batch * resolution ** 2
+    parts["runtime"] = RUNTIME[device_type]
+    return parts
+
+
+def cache_build_plan(encoders, batch, resolution, memory_bytes, device_type):
+    """-> (the text encoders whose layers stream, the estimate's parts: cache_build_estimate) for a device of
+    `memory_bytes`: none where the whole set fits AUTO_SHARE of it, else the largest first until it does (none on a
+    CPU)."""
+    value_bytes = 2 if device_type == "cuda" else 4
+    streamable = sorted((name for name, (_, layers, _) in encoders.items() if layers), key=lambda n: -encoders[n][1])
+    streamed = []
+    parts = cache_build_estimate(encoders, streamed, batch, resolution, value_bytes, device_type)
+    while device_type == "cuda" and streamable and sum(parts.values()) > AUTO_SHARE * memory_bytes:
+        streamed.append(streamable.pop(0))
+        parts = cache_build_estimate(encoders, streamed, batch, resolution, value_bytes, device_type)
+    return tuple(streamed), parts
+
+
+def fit_cache_build(encoders, batch, resolution, device, log):
+    """What encoding holds on `device` (the cache, the validation images, the grids' prompts), planned and logged
+    -> the text encoders whose layers stream (cache_build_plan). Streaming T5-XXL copies its 9 GB in bf16 to the GPU
+    for every batch it encodes (about 0.4 s at 25 GB/s) and computes what it would whole, bit for bit."""
+    available = device_memory(device)
+    streamed, parts = cache_build_plan(encoders, batch, resolution, available, device.type)
+    line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
+                             "this machine's RAM")
+    log(line.replace("memory estimate per process", "encoding (the cache, validation images, prompts): memory "
+                     "estimate") + f"; {batch} image(s) at a time (--encode_batch_size) at {resolution} px")
+    if warning:
+        log(warning.split("; levers")[0] + "; levers: --encode_batch_size 1, a lower --resolution")
+    return streamed

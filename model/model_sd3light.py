@@ -434,6 +434,9 @@ class SD3Light(nn.Module):
         D = config.inner_dim
         # recompute blocks in backward to save memory: True every block, False none, a number the first that many
         self.gradient_checkpointing = gradient_checkpointing
+        # model/block_swap.BlockSwap streaming the first blocks' weights from host memory, or None; a swapped block is
+        # recomputed in backward whatever gradient_checkpointing says (what it keeps for backward holds no weight)
+        self.block_swap = None
         self.pos_embed = PatchEmbed(config)
         self.time_text_embed = TimeTextEmbed(config)
         self.context_embedder = nn.Linear(config.joint_attention_dim, config.caption_projection_dim)
@@ -490,6 +493,8 @@ class SD3Light(nn.Module):
         context = self.context_embedder(encoder_hidden_states)
         recomputed = blocks_recomputed(self.gradient_checkpointing, len(self.transformer_blocks)) \
             if torch.is_grad_enabled() else 0
+        if self.block_swap is not None and torch.is_grad_enabled():
+            recomputed = max(recomputed, self.block_swap.count)
         for i, block in enumerate(self.transformer_blocks):
             if route is not None and i == route.first:  # set the routed tokens aside
                 everything, index = x, route.keep[..., None].expand(-1, -1, x.shape[-1])

@@ -175,8 +175,9 @@ def with_unconditional(tokens, pooled):
 class Sampler:
     """How images are drawn: their size (`resolution`), the Euler steps, the classifier-free guidance scale, the
     sigmas' shift, what the model outputs (`prediction`, see to_velocity), whether each step re-noises its clean
-    estimate (`renoise`: a distilled few-step generator), and the dtype the transformer computes in (`autocast`,
-    None: fp32)."""
+    estimate (`renoise`: a distilled few-step generator), the dtype the transformer computes in (`autocast`,
+    None: fp32), and how many prompts a forward takes (`batch`, 0: all of them; a small card draws a grid in parts).
+    """
     resolution: int
     steps: int
     cfg: float
@@ -184,6 +185,7 @@ class Sampler:
     prediction: str
     renoise: bool = False
     autocast: torch.dtype = None
+    batch: int = 0
 
     def settings(self):
         """Its steps, guidance, shift and re-noising, as a weights record or a report keeps them."""

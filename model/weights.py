@@ -235,18 +235,20 @@ def load_components(record, device="cpu", dtype=None):
     return components
 
 
-def load_transformer(record, dtype=torch.float32, device="cpu", meta=False, after_block=None, frozen=False):
+def load_transformer(record, dtype=torch.float32, device="cpu", meta=False, after_block=None, frozen=False,
+                     host_blocks=0):
     """The transformer of a weights record, built on the meta device and filled tensor by tensor from its files
     in `dtype` on `device` (model/loading.py: no random initialisation, no second copy). Strict: every key fits.
     `meta`: leave it on the meta device (a sharded run's other ranks: rank 0's weights fill their shards).
-    `after_block`: see loading.fill (int8: quantise block by block). `frozen`: no parameter requires grad."""
+    `after_block`: see loading.fill (int8: quantise block by block). `frozen`: no parameter requires grad.
+    `host_blocks`: the first blocks held in host memory (block swap, loading.fill)."""
     model = meta_model(SD3LightConfig.from_dict(record["transformer"])).requires_grad_(not frozen)
     if meta:
         return model
     try:
         with SingleFileTensors(record["weight_files"][0], list(model.state_dict())) if record.get(
                 "layout") == "single_file" else TensorFiles(record["weight_files"]) as files:
-            return fill(model, files, dtype, device, after_block)
+            return fill(model, files, dtype, device, after_block, host_blocks)
     except (OSError, ValueError, StateDictMismatchError) as e:
         raise UserError(f"{record['manifest']}: {str(e).splitlines()[0][:400]}") from None
 

@@ -171,7 +171,8 @@ def test_a_gpu_runs_estimate_line_names_its_blocks_recomputed_and_largest_batch(
     monkeypatch.setattr(memory, "device_memory", lambda device: 24 * memory.GIB)
     config, gpu = preset_config("sd3.5-medium"), DistInfo(device=torch.device("cuda"))
     plan = memory.MemoryPlan((9_437_184,), "adamw", False, "auto", 1, 1024, "auto")
-    plan = memory.auto_checkpointing(config, plan, Components(), Precision("bf16", "bf16"), gpu)
+    plan = memory.fitted_plan(config, plan, memory.device_memory(gpu.device),
+                              *memory.run_holding(Components(), Precision("bf16", "bf16"), gpu))
     assert plan.checkpointing == 0  # an SD3.5-Medium LoRA at batch 1 on 24 GB: nothing recomputed
     line, = memory.estimate_lines(config, plan, Components(), Precision("bf16", "bf16"), gpu)
     largest = int(line.split("fits 80% of it: ")[1].split()[0])

@@ -10,7 +10,7 @@ import trainer.train_lora as train_lora
 import trainer.train_pretrain as train_pretrain
 from model.memory import GIB
 from model.model_sd3light import PUBLISHED_PRESETS
-from tests.card_estimate import card_estimate, recomputed_plan
+from tests.card_estimate import card_estimate, card_plan
 
 MEDIUM = ["--base", "/models/sd3.5-medium", "--from_weight", "base", "--preset", "sd3.5-medium", "--data", "my_images"]
 RECIPES = {
@@ -70,7 +70,7 @@ def test_auto_checkpointing_recomputes_only_the_blocks_a_card_needs():
     for stage, args, card, blocks in ((train_lora, lora, 24, 0), (train_lora, lora, 16, range(1, 5)),
                                       (train_lora, lora4, 24, range(1, 24)), (train_full_sft, sft, 24, range(1, 24)),
                                       (train_full_sft, sft, 16, [True])):
-        plan = recomputed_plan(stage, args, card * GIB)
+        plan = card_plan(stage, args, card * GIB)
         assert plan.checkpointing in (blocks if isinstance(blocks, (range, list)) else [blocks]), (stage, card)
         if plan.checkpointing is not True:  # what auto chose fits (the full fine-tune on 16 GB takes more levers)
             assert card_estimate(stage, args, card * GIB) <= 0.9 * card * GIB

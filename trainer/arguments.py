@@ -179,6 +179,11 @@ def checkpoint_choice(text):
     return text if text == "auto" else bool(switch(text))
 
 
+def swap_count(text):
+    """--blocks_to_swap: 'auto' or a whole number >= 0."""
+    return text if text == "auto" else non_negative_int(text)
+
+
 def worker_count(text):
     """--num_workers: 'auto' or a whole number >= 0."""
     return text if text == "auto" else non_negative_int(text)
@@ -219,6 +224,15 @@ def add_weights_memory_args(parser):
     a("--step_in_backward", type=switch, default=0, help="1 = step each parameter, and free its gradient, as soon "
       "as backward has it: the gradients never all exist at once. One process, --accumulation_steps 1; --grad_clip "
       "then clips each parameter's gradient alone")
+
+
+def add_block_swap_args(parser):
+    """Block swap (model/block_swap.py): the first blocks' weights held in host memory and streamed to the GPU
+    around each use. Free to change on resume: the run computes the same bit for bit."""
+    parser.free.add_argument("--blocks_to_swap", type=swap_count, default=0, help="hold the weights of this many "
+                             "of the transformer's first blocks in host memory (pinned), each copied to the GPU one "
+                             "block ahead of its use and recomputed in backward: a small card trains a large model; "
+                             "auto = the fewest for the memory estimate to fit this GPU (none on a CPU); 0 = none")
 
 
 def add_routing_args(parser):

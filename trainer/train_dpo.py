@@ -34,15 +34,16 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model.block_swap import BlockSwap, swap_request  # noqa: E402
 from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_routing_args,
-    add_sampling_args, add_schedule_args, add_validation_args, non_negative_float, non_negative_int, positive_float,
-    positive_int,
+    SAVE_DTYPES, StageParser, add_block_swap_args, add_export_args, add_flow_args, add_optimizer_args,
+    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, non_negative_float,
+    non_negative_int, positive_float, positive_int,
 )
 from trainer.preference import (  # noqa: E402
     PROMPTS_PER_TASK, DPOLearner, DPORecipe, PairPool, PairRounds, PreferencePairs, adapters_off_reference,
@@ -91,6 +92,7 @@ def parse_args(argv=None):
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser, loss=False)  # the sigmas both sides of a pair share
     add_routing_args(parser)  # token routing (off)
+    add_block_swap_args(parser)  # with adapters: the first blocks streamed from host memory (off)
     add_sampling_args(parser)
     add_export_args(parser)
     add_validation_args(parser)  # --val_data: images, scored by the policy's flow loss
@@ -107,10 +109,11 @@ def parse_args(argv=None):
     #   dpo_beta 100 (config.train.beta), adapters of rank 32 and alpha 64 (LoraConfig r=32, lora_alpha=64: a
     #   scale of 2; with another --lora_rank give --lora_alpha too, or the scale changes),
     #   learning_rate 3e-4, weight_decay 1e-4, grad_clip 1.0, constant rate, resolution 512, 24 pairs a step
-    #   (train_batch_size 24; here 4 a micro-batch and 6 micro-batches, recomputing what blocks the card needs)
+    #   (train_batch_size 24; here 4 a micro-batch and 6 micro-batches, recomputing what blocks the card needs, and
+    #   swapping the fewest blocks to host memory where recomputing is not enough: blocks_to_swap auto)
     parser.set_real_model_defaults(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
                                    weight_decay=1e-4, resolution=512, batch_size=4, accumulation_steps=6,
-                                   gradient_checkpointing="auto")
+                                   gradient_checkpointing="auto", blocks_to_swap="auto")
     return parser.parse_args(argv)
 
 
@@ -141,13 +144,17 @@ def pair_data(args, components, config, rounds, info, log):
     return ready_data(settings, data, components, config, info, args.batch_size, log)
 
 
-def policy(args, source, precision, info, checkpointing):
+def policy(args, source, precision, info, plan, log):
     """The policy and the frozen reference (in --frozen_dtype): a copy of the starting weights; or with --lora_rank
-    the base frozen with adapters on it, and no copy (the reference is the policy with them off); each
-    recomputing `checkpointing` blocks in backward (the memory plan's)."""
+    the base frozen with adapters on it, its first blocks streamed from host memory where the memory plan swaps
+    them, and no copy (the reference is the policy with them off); each recomputing the blocks the plan says in
+    backward."""
+    checkpointing = plan.checkpointing
     if args.lora_rank:
-        model = load_network(source, "frozen", precision.frozen, info)
+        model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
         apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
+        if plan.blocks_to_swap:
+            model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=log)
         reference = None
     else:
         model, reference = (load_network(source, role, precision.frozen, info) for role in ("trained", "frozen"))
@@ -163,8 +170,11 @@ def memory_plan(args, config):
     micro-batch of pairs (two images forward each)."""
     trained = (adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank \
         else ("trained", "frozen")
+    streamable = None if args.lora_rank else "Flow-DPO swaps the blocks of a frozen base: pass --lora_rank (adapters)"
     return MemoryPlan(trained, "adamw", args.ema_decay > 0, args.ema_device, 2 * args.batch_size, args.resolution,
-                      args.gradient_checkpointing)
+                      args.gradient_checkpointing,
+                      blocks_to_swap=swap_request(args.blocks_to_swap, bool(args.fsdp), streamable,
+                                                  config.num_layers))
 
 
 def main(argv=None):
@@ -189,16 +199,17 @@ def main(argv=None):
     # policy and the frozen reference
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    # the token routing, checked now: a bad value is one line before any work
+    # the token routing and the memory plan, checked now: a bad value is one line before any work
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
+    plan = memory_plan(args, config)
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
     data = pair_data(args, components, config, rounds, info, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = fit_memory(config, memory_plan(args, config), components, precision, info, metrics.log)
-    model, reference = policy(args, source, precision, info, plan.checkpointing)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
+    model, reference = policy(args, source, precision, info, plan, metrics.log)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
                 f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
@@ -327,7 +338,7 @@ def train(args, info, position, data, learner, out, rounds):
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
                 path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path}")
+                log(f"sample grid: {path} ({out.previews.drawn})")
     finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 

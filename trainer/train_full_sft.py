@@ -24,13 +24,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model.block_swap import BlockSwap, swap_request  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
-    add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, add_weights_memory_args,
-    positive_int,
+    SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_export_args, add_flow_args, add_optimizer_args,
+    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
+    add_weights_memory_args, positive_int,
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
@@ -56,6 +57,7 @@ def parse_args(argv=None):
                                "torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8)")
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
     add_weights_memory_args(parser)  # bf16 weights with stochastic rounding; the step fused into backward
+    add_block_swap_args(parser)  # with the step fused into backward: the first blocks streamed from host memory
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
     add_routing_args(parser)  # token routing (off)
@@ -85,19 +87,26 @@ def parse_args(argv=None):
     #   logit-normal sigmas (0, 1) shifted by 3: as the LoRA stage (diffusers draws timesteps from the model's
     #     scheduler, shift 3.0)
     #   export_single_file: the result in ComfyUI's Load Diffusion Model and Forge, beside the diffusers folder
+    #   blocks_to_swap auto: with --step_in_backward 1, the fewest blocks streamed from host memory for the card
+    #     (none where it holds the run); without it, none (a block's update must run while it is on the GPU)
     parser.set_real_model_defaults(trained_dtype="bf16", optimizer="adamw8bit", ema_decay=0.0, learning_rate=1e-5,
                                    batch_size=1, accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0,
                                    max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing="auto",
-                                   train_shift=3.0, export_single_file=True)
+                                   train_shift=3.0, export_single_file=True, blocks_to_swap="auto")
     return parser.parse_args(argv)
 
 
-def memory_plan(args):
+def memory_plan(args, config):
     """What the memory estimate weighs (model/memory.py): one trained transformer, in --trained_dtype, its
-    optimizer, the EMA, one micro-batch, and whether the step is fused into backward."""
+    optimizer, the EMA, one micro-batch, whether the step is fused into backward, and the blocks swapped (which
+    needs the step in backward, and no --fsdp 1: one line)."""
+    streamable = None if args.step_in_backward else (
+        "a full fine-tune swaps blocks with the step fused into backward, so that each block is updated while it is "
+        "on the GPU: add --step_in_backward 1 --accumulation_steps 1, or pass --blocks_to_swap 0")
     return MemoryPlan(("trained",), args.optimizer, args.ema_decay > 0, args.ema_device, args.batch_size,
                       args.resolution, args.gradient_checkpointing, args.trained_dtype,
-                      bool(args.step_in_backward))
+                      bool(args.step_in_backward),
+                      swap_request(args.blocks_to_swap, bool(args.fsdp), streamable, config.num_layers))
 
 
 def main(argv=None):
@@ -121,15 +130,16 @@ def main(argv=None):
     # The starting weights' record and components; the data and its cache (text encoders then freed); the weights
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    # the token routing, checked now: a bad value is one line before any work
+    # the token routing and the memory plan, checked now: a bad value is one line before any work
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
+    plan = memory_plan(args, config)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
     data = stage_data(args.data_settings, components, config, info, args.batch_size, metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = fit_memory(config, memory_plan(args), components, precision, info, metrics.log)
-    model = load_network(source, "trained", precision.frozen, info, precision.trained)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
+    model = load_network(source, "trained", precision.frozen, info, precision.trained, plan.blocks_to_swap)
     model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"starting from {source['manifest']} (step {source['step']}, predicts {prediction})")
@@ -144,6 +154,9 @@ def main(argv=None):
                            args.grad_clip) if args.step_in_backward else None
     optimizers = fused.optimizers if fused else [adamw(model.parameters(), args.learning_rate, args.weight_decay,
                                                        eight_bit, rounding)]
+    if plan.blocks_to_swap:  # the first blocks stream from host memory, stepped in backward while on the device
+        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, fused.optimizer_of,
+                                     metrics.log)
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
@@ -254,7 +267,7 @@ def train(args, info, position, data, learner, out, fused):
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
                 path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path}")
+                log(f"sample grid: {path} ({out.previews.drawn})")
     finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 

@@ -29,6 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model.block_swap import BlockSwap, swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
     TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
 )
@@ -36,8 +37,9 @@ from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_flow_args, add_optimizer_args, add_plumbing_args, add_routing_args,
-    add_sampling_args, add_schedule_args, add_validation_args, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_flow_args, add_optimizer_args,
+    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_float,
+    positive_int, probability,
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
@@ -75,6 +77,7 @@ def parse_args(argv=None):
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
     add_routing_args(parser)  # token routing (off)
+    add_block_swap_args(parser)  # the first blocks streamed from host memory (off)
     add_sampling_args(parser)
     add_data_args(parser)  # caption prefix, repeats, flips, tags, masks; --val_fraction
     add_validation_args(parser)
@@ -100,10 +103,12 @@ def parse_args(argv=None):
     #   logit-normal sigmas (0, 1) shifted by 3: diffusers' --weighting_scheme logit_normal draws its timesteps
     #     from the model's scheduler, shift 3.0 in SD3.5's scheduler_config (SimpleTuner's flow_schedule_shift 3)
     #   sample_interval 100: no anchor; a grid every fifth of the run, to watch it learn
+    #   blocks_to_swap auto: none where the card holds the run (recomputation is spent first), else the fewest
+    #     blocks that make it fit (kohya's --blocks_to_swap, counted by hand there)
     parser.set_real_model_defaults(learning_rate=1e-4, lora_rank=16, batch_size=1, accumulation_steps=4,
                                    warmup_steps=0, min_lr_ratio=1.0, max_steps=500, weight_decay=1e-4,
                                    gradient_checkpointing="auto", resolution=1024, train_shift=3.0,
-                                   sample_interval=100)
+                                   sample_interval=100, blocks_to_swap="auto")
     return parser.parse_args(argv)
 
 
@@ -121,10 +126,11 @@ def prior_dataset(args, settings, components, config, log):
 
 def memory_plan(args, config):
     """What the memory estimate weighs (model/memory.py): the adapters on a frozen transformer of `config` (a bad
-    --lora_targets: one line), AdamW on them, the EMA and one micro-batch."""
+    --lora_targets: one line), AdamW on them, the EMA, one micro-batch, and the blocks swapped (--fsdp 1: one line)."""
     adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)
     return MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
-                      args.gradient_checkpointing)
+                      args.gradient_checkpointing,
+                      blocks_to_swap=swap_request(args.blocks_to_swap, bool(args.fsdp), None, config.num_layers))
 
 
 def main(argv=None):
@@ -148,18 +154,21 @@ def main(argv=None):
     # encoders then freed); the estimate; the frozen base weights (in --frozen_dtype) with adapters on them
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    # the token routing, checked now: a bad value is one line before any work
+    # the token routing and the memory plan, checked now: a bad value is one line before any work
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
+    plan = memory_plan(args, config)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     settings = args.data_settings
     prior = prior_dataset(args, settings, components, config, metrics.log)
     data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
-    plan = fit_memory(config, memory_plan(args, config), components, precision, info, metrics.log)
-    model = load_network(source, "frozen", precision.frozen, info)
+    plan = fit_memory(config, plan, components, precision, info, metrics.log)
+    model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
     apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.gradient_checkpointing = plan.checkpointing
+    if plan.blocks_to_swap:  # the first blocks' weights stream from host memory, one block ahead of their use
+        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=metrics.log)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
@@ -271,7 +280,7 @@ def train(args, info, position, data, learner, out):
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
                 path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path}")
+                log(f"sample grid: {path} ({out.previews.drawn})")
     finish_run(out, learner.components, info, stopping, stop.received)
     if position.finished:
         log(f"sample with the adapter: python eval/eval_sample.py --lora {args.lora_name} --prompt \"...\"")

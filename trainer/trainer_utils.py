@@ -173,16 +173,16 @@ def start_weights_source(from_weight, preset, prediction, out_dir, base=None):
     return source
 
 
-def load_network(source, role, frozen_dtype, info, trained_dtype="fp32"):
+def load_network(source, role, frozen_dtype, info, trained_dtype="fp32", swapped=0):
     """The transformer of `source` (start_weights_source's) as `role` says: "trained" in `trained_dtype` (fp32, or
     bf16 for --trained_dtype bf16), "frozen" in `frozen_dtype` (int8: quantised block by block as it loads) with
-    no weight requiring grad, on info's device; in a sharded run on rank 0's CPU and the other ranks' meta device,
-    for rank 0's weights to fill the shards."""
+    no weight requiring grad, on info's device, its first `swapped` blocks in host memory (block swap); in a sharded
+    run on rank 0's CPU and the other ranks' meta device, for rank 0's weights to fill the shards."""
     frozen = role == "frozen"
     int8 = frozen and frozen_dtype == "int8"
     return load_transformer(source, torch_dtype(frozen_dtype if frozen else trained_dtype), info.load_device,
                             meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
-                            frozen=frozen)
+                            frozen=frozen, host_blocks=swapped)
 
 
 def adapter_count(config, targets, rank, alpha):
@@ -208,7 +208,8 @@ def log_peak(info, what, log):
     if info.world_size > 1:
         peaks = [None] * info.world_size
         dist.all_gather_object(peaks, peak)
-    shown = ", ".join(" / ".join(f"{p / 2 ** 30:.2f}" for p in each) for each in peaks)
+    shown = ", ".join(" / ".join("not measured here" if p is None else f"{p / 2 ** 30:.2f}" for p in each)
+                      for each in peaks)
     how = " (allocated / reserved)" if info.device.type == "cuda" else ""
     log(f"peak memory after {what}: {shown} GiB{how} (by rank)")
 

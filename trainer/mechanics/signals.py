@@ -62,6 +62,8 @@ def leave_stopping_to_the_main_process(worker_id):
     loader ending a worker that did not stop), which it answers as torch's own handler does, by leaving quietly.
     (Processes a dataset starts in a worker inherit SIGTERM blocked.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks; its workers are spawned, not forked
+        return
     if not hasattr(signal, "sigwaitinfo"):  # macOS: no sender to tell apart; torch's handler, a group's SIGTERM
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # ends the worker as before
         return
