@@ -363,16 +363,17 @@ def features_to_train_on(settings, dataset, components, prompts, info, log):
         log(f"--cache_only: the cache of {len(features)} samples is ready in {features.folder}")
         return None
     if hasattr(components, "free_text_encoders"):  # their memory is the transformer's now
-        components.free_text_encoders(prompts, encoded_prompts(getattr(cache, "source", cache).folder, prompts,
-                                                               components))
+        components.free_text_encoders(prompts, encoded_prompts(settings.cache_dir, prompts, components))
     return cache
 
 
-def encoded_prompts(folder, prompts, components):
-    """The sample grids' prompts as the text encoders give them (components.condition: tokens, pooled), kept in
-    the cache `folder` beside the features: a run whose cache is complete encodes nothing, these included, and its
-    text encoders never reach the device."""
-    path = os.path.join(folder, f"prompts-{json_digest([list(prompts), components.identity()])[:16]}.safetensors")
+def encoded_prompts(cache_dir, prompts, components):
+    """The sample grids' prompts as the text encoders give them (components.condition: tokens, pooled), kept under
+    `cache_dir`/prompts/ beside the features' caches: a run whose cache is complete encodes nothing, these included,
+    and its text encoders never reach the device."""
+    folder = os.path.join(cache_dir, "prompts")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{json_digest([list(prompts), components.identity()])[:16]}.safetensors")
     if os.path.isfile(path):
         try:
             kept = load_safetensors(path)

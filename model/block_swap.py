@@ -77,11 +77,13 @@ class Slot:
         return owner._parameters[self.name] if self.name in owner._parameters else owner._buffers[self.name]
 
     def put(self, tensor):
-        """Make `tensor` what the owner holds under the name (a trained parameter: the same object, its data)."""
+        """Make `tensor` what the owner holds under the name: a plain parameter stays the same object (what an
+        optimizer and a compiled block know it by) with new data; a tensor subclass, whose data is its inner
+        tensors, becomes a parameter of its own."""
         owner = self.owner
         if isinstance(owner, dict):
             owner[self.name] = tensor
-        elif self.trained:
+        elif self.name in owner._parameters and self.how is None:
             owner._parameters[self.name].data = tensor
         elif self.name in owner._parameters:
             owner._parameters[self.name] = nn.Parameter(tensor, requires_grad=False)

@@ -398,10 +398,11 @@ def describe(parts, available, where):
 # Sample grids while blocks are swapped
 
 
-INFERENCE_WORDS = 12  # values per token and unit of width one block holds at once in a forward without gradients
-# (its input, the norms, q, k, v, the attention's output, the MLP's 4x hidden and its GELU; not measured)
-VAE_DECODE_VALUES = 964  # values a pixel the SD3 VAE's decoder holds at its peak (bench/bench_vae.py: 512 px, fp32)
-VAE_ENCODE_VALUES = 640  # and its encoder
+# What a forward without gradients holds at its peak beyond its weights (bench/bench_inference_memory.py, fp32 on a
+# CPU at 512 px): values per token and unit of width in one transformer block, and per pixel in SD3's VAE
+INFERENCE_WORDS = 12
+VAE_DECODE_VALUES = 964
+VAE_ENCODE_VALUES = 640
 
 
 def sampling_fit(config, room, swapped, prompts, tokens, decode_bytes):
@@ -470,8 +471,9 @@ def fit_cache_build(encoders, batch, resolution, device, log):
     streamed, parts = cache_build_plan(encoders, batch, resolution, available, device.type)
     line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
                              "this machine's RAM")
-    log(line.replace("memory estimate per process", "encoding (the cache, validation images, prompts): memory "
-                     "estimate") + f"; {batch} image(s) at a time (--encode_batch_size) at {resolution} px")
+    log(line.replace("memory estimate per process", "the VAE and text encoders at work (the cache, validation "
+                     "images, prompts): memory estimate") + f"; {batch} image(s) at a time (--encode_batch_size) at "
+        f"{resolution} px" + (f"; {', '.join(streamed)} streamed by layer from host memory" if streamed else ""))
     if warning:
         log(warning.split("; levers")[0] + "; levers: --encode_batch_size 1, a lower --resolution")
     return streamed

@@ -252,6 +252,24 @@ def diffusers_image(pipeline, prompt, seed, steps, cfg, resolution=32, **extra):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# From test_dpo.py's tests and the others'
+
+
+def shape_pairs(folder, count):
+    """`count` preference pairs of built-in shape images saved in `folder` (chosen{i}.png, rejected{i}.png) -> their
+    manifest lines (JSON, image paths relative to the folder)."""
+    from dataset.shapes import ShapesDataset
+
+    data, lines = ShapesDataset(num_samples=2 * count), []
+    for i in range(count):
+        for side, k in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
+            data.sample(k)[0].save(folder / f"{side}{i}.png")
+        lines.append(json.dumps({"prompt": data.sample(2 * i)[1], "chosen": f"chosen{i}.png",
+                                 "rejected": f"rejected{i}.png"}))
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # From test_model_sd3light.py's tests and the others'
 
 

@@ -10,7 +10,6 @@ import torch
 import trainer.train_dpo as train_dpo
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-from dataset.shapes import ShapesDataset
 from model.block_swap import BlockSwap, pieces_of, pinnable, swap_request
 from model.checkpoint import first_difference, load_safetensors, read_manifest
 from model.errors import UserError
@@ -19,7 +18,7 @@ from model.model_sd3light import SD3Light
 from model.precision import int8_weights
 from trainer.mechanics.optimizers import StepInBackward
 
-from tests.conftest import dirs, final_state, inputs, random_config, randomise
+from tests.conftest import dirs, final_state, inputs, random_config, randomise, shape_pairs
 from tests.scripts import run_in_process
 from model import checkpoint
 
@@ -172,14 +171,7 @@ def test_a_stage_with_blocks_swapped_trains_and_resumes_bit_for_bit(tmp_path, sd
 
 
 def test_flow_dpo_with_adapters_swaps_its_base(tmp_path, sd3, monkeypatch):
-    data = ShapesDataset(num_samples=8)
-    lines = []
-    for i in range(4):
-        for side, k in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
-            data.sample(k)[0].save(tmp_path / f"{side}{i}.png")
-        lines.append(json.dumps({"prompt": data.sample(2 * i)[1], "chosen": f"chosen{i}.png",
-                                 "rejected": f"rejected{i}.png"}))
-    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "pairs.jsonl").write_text("\n".join(shape_pairs(tmp_path, 4)) + "\n")
     losses = {}
     for count in (0, 2):
         run_dir = tmp_path / f"swap{count}"
@@ -187,7 +179,9 @@ def test_flow_dpo_with_adapters_swaps_its_base(tmp_path, sd3, monkeypatch):
                               str(tmp_path / "pairs.jsonl"), "--lora_rank", "4", "--batch_size", "2", "--max_steps",
                               "3", "--sample_steps", "1", "--blocks_to_swap", str(count), *dirs(run_dir)], monkeypatch)
         with open(run_dir / "out" / "lora_dpo_sd3-tiny_metrics.jsonl") as f:
-            losses[count] = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
+            rows = [json.loads(line) for line in f]
+        losses[count] = [{k: row[k] for k in ("step", "dpo", "reward_accuracy", "reward_margin")} for row in rows
+                         if "dpo" in row]
     assert len(losses[0]) == 3 and losses[0] == losses[2]
 
 

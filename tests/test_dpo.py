@@ -25,7 +25,7 @@ from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, 
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_here, run_in_process, run_many
-from tests.conftest import dirs
+from tests.conftest import dirs, shape_pairs
 
 FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
         "--pair_sample_steps", "2", "--warmup_steps", "2", "--sample_steps", "1"]
@@ -237,13 +237,7 @@ def test_a_stopped_run_resumes_bitwise_on_the_same_pairs(tmp_path, start, monkey
 
 def write_manifest(folder):
     """Five good pairs and one line of each kind of bad one -> (the manifest's path, the good pairs' prompts)."""
-    data = ShapesDataset(num_samples=10)
-    lines = []
-    for i in range(5):
-        for side, k in (("chosen", 2 * i), ("rejected", 2 * i + 1)):
-            data.sample(k)[0].save(folder / f"{side}{i}.png")
-        lines.append(json.dumps({"prompt": data.sample(2 * i)[1], "chosen": f"chosen{i}.png",
-                                 "rejected": f"rejected{i}.png"}))
+    data, lines = ShapesDataset(num_samples=10), shape_pairs(folder, 5)
     (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
     lines += [json.dumps({"prompt": "a red star", "chosen": "gone.png", "rejected": "chosen0.png"}),
               json.dumps({"prompt": "a red star", "chosen": "chosen0.png", "rejected": "broken.png"}),
