@@ -78,8 +78,8 @@ def seconds_a_step(rows, global_batch):
 def measure(comment, words, args):
     """The capped run, then the uncapped one with its recomputation -> one table row."""
     card = int(re.findall(r"(\d+) GB card", comment)[0]) * 2 ** 30
-    flags = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_interval", "0", "--sample_steps", "2",
-             "--sample_prompts", args.prompts, "--save_interval", str(10 ** 6)]
+    flags = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_interval", "0",
+             "--sample_steps", "2", "--sample_prompts", args.prompts, "--save_interval", str(10 ** 6)]
     base = os.path.join(args.work, re.sub(r"\W+", "_", comment)[:60])
     started = time.time()
     code, log, capped = run([*words, *flags], card, os.path.join(base, "capped"), args.timeout)

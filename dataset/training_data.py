@@ -220,7 +220,7 @@ def ready_data(settings, data, components, config, info, batch_size, log):
     check_image_sizes(settings.resolution, data.dataset, config, components)
     if hasattr(components, "stream_text_encoders"):  # SD3's: what the device holds while they encode, planned
         components.stream_text_encoders(fit_cache_build(components.encoder_sizes(), settings.encode_batch_size,
-                                                        settings.resolution, info.device, log))
+                                                        settings.resolution, info.device, log), log)
     validation = None
     if data.held_out is not None and (info.is_main or info.sharded):
         validation = encode_heldout(components, data.held_out, settings.val_samples, batch_size, info.device)

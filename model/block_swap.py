@@ -7,16 +7,18 @@ OneTrainer's LayerOffloadConductor; the code is ours).
 
 Forward: before block i runs, the compute stream waits for its weights (copied on a side stream while block i-1
 computed) and the copy of the next swapped block starts; after block i, its tensors point back to host memory and
-its buffer is free once the device is done with it. A swapped block must be recomputed in backward (the model's
-gradient checkpointing covers it: model/memory.py's plan sees to it), so what backward keeps of it is its inputs,
-never a weight. Its backward brings the weights in again, the copy one block ahead, in reverse. In a full fine-tune
-stepped in backward (trainer/mechanics/optimizers.py StepInBackward: `optimizers` maps each parameter to its own
-optimizer), the optimizer state comes in with the weights for backward, each parameter is stepped while it is on
-the device, and weights and state go back to host memory after the block's backward.
+its buffer is free once the device is done with it. A swapped block must be recomputed in backward (SD3Light
+recomputes every swapped block, whatever its gradient checkpointing says), so what backward keeps of it is its
+inputs, never a weight. Its backward brings the weights in again, the copy one block ahead, in reverse. In a full
+fine-tune stepped in backward (trainer/mechanics/optimizers.py StepInBackward: `optimizers` maps each parameter to
+its own optimizer), the optimizer state comes in with the weights for backward, each parameter is stepped while it
+is on the device, and weights and state go back to host memory after the block's backward.
 
-Buffers are reused: one pool per shape of block (SD3.5-Medium's blocks with a second attention, the plain ones, the
-last block's context-only one), two buffers a shape at most while streaming. On a CPU the same code runs (host and
-device are both the CPU, the copies synchronous, no streams): what the tests check, bit for bit.
+Host memory comes in arenas, one allocation for several blocks (torch's pinned-memory cache rounds each allocation
+up to a power of two: arenas of a power of two's size waste little; host_arena_bytes says what they take). Device
+buffers are reused: a pool per shape of block (SD3.5-Medium's blocks with a second attention, the plain ones, the last
+block's context-only one), two buffers a shape at most while streaming. On a CPU the same code runs (host and device
+are both the CPU, the copies synchronous, no streams): what the tests check, bit for bit.
 """
 import contextlib
 import functools
@@ -26,11 +28,12 @@ import torch.nn as nn
 
 from model.errors import UserError
 
-ALIGN = 256  # bytes: every piece of a buffer starts at a multiple of this (what the GPU's kernels like)
+ALIGN = 256  # bytes: every piece of a buffer or arena starts at a multiple of this (what the GPU's kernels like)
+ARENA_CAP = 2 ** 32  # bytes: the largest host arena (its copies are made before its blocks' originals go)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A tensor as plain pieces (torchao's int8 weights and 8-bit optimizer state are tensor subclasses)
+# A tensor as plain pieces (torchao's int8 weights and 8-bit optimizer state are tensor subclasses), laid out in memory
 
 
 def pieces_of(tensor):
@@ -50,25 +53,54 @@ def rebuilt(pieces, how):
     return kind.__tensor_unflatten__(dict(zip(names, pieces)), context, size, stride)
 
 
-def piece_bytes(piece):
-    return -(-piece.numel() * piece.element_size() // ALIGN) * ALIGN
+def aligned(nbytes):
+    return -(-nbytes // ALIGN) * ALIGN
 
 
-def host_copy(piece, pin):
-    """A piece in host memory of its own, pinned where `pin` (a CUDA run: only pinned memory copies asynchronously)."""
-    host = piece.detach().to("cpu", copy=True)
-    return host.pin_memory() if pin else host
+def pieces_bytes(pieces):
+    """Bytes `pieces` take laid out one after the other, each aligned."""
+    return sum(aligned(piece.numel() * piece.element_size()) for piece in pieces)
+
+
+def views(memory, pieces, offset=0):
+    """Typed views of the bytes `memory` (a uint8 tensor) from `offset`, one per piece, of its shape and dtype."""
+    out = []
+    for piece in pieces:
+        size = piece.numel() * piece.element_size()
+        out.append(memory[offset:offset + size].view(piece.dtype).view(piece.shape))
+        offset += aligned(size)
+    return out
+
+
+def packed(sizes, cap=ARENA_CAP):
+    """Byte sizes packed, in order, into arenas whose sizes are powers of two -> [(arena bytes, [indices])]: each the
+    largest power of two up to `cap` that the sizes left reach (or the one the next size needs alone), filled while
+    they fit. The waste is at most one size an arena."""
+    arenas, k = [], 0
+    while k < len(sizes):
+        left = max(1, sum(sizes[k:]))
+        size = max(min(cap, 1 << (left.bit_length() - 1)), 1 << max(0, sizes[k] - 1).bit_length())
+        members, used = [], 0
+        while k < len(sizes) and used + sizes[k] <= size:
+            members.append(k)
+            used, k = used + sizes[k], k + 1
+        arenas.append((size, members))
+    return arenas
+
+
+def host_arena_bytes(sizes):
+    """Host memory blocks of these byte sizes take in arenas (what a run's estimate names)."""
+    return sum(size for size, _ in packed([aligned(int(s)) for s in sizes]))
 
 
 class Slot:
     """One tensor of a swapped block, by where it lives: a module's parameter or buffer, or an optimizer state's
-    entry (`owner` a dict). `trained`: a parameter that is stepped on the device (its object stays, its data moves).
-    `home`: its pieces in host memory and how they rebuild it."""
+    entry (`owner` a dict). `trained`: a parameter stepped on the device, whose new values are copied home. `home`:
+    its pieces in host memory (set by home_slots), `how` rebuilds the tensor from them."""
 
-    def __init__(self, owner, name, trained, pin):
+    def __init__(self, owner, name, trained=False):
         self.owner, self.name, self.trained = owner, name, trained
-        pieces, self.how = pieces_of(self.get())
-        self.home, self.current = [host_copy(piece, pin) for piece in pieces], None
+        self.how, self.home, self.current = pieces_of(self.get())[1], None, None
 
     def get(self):
         owner = self.owner
@@ -95,38 +127,32 @@ class Slot:
         self.put(self.current)
 
 
-def module_slots(block, trained, pin):
+def module_slots(block, trained):
     """The tensors of `block` that stream: every parameter and buffer, but the parameters that train and stay on the
-    device (a LoRA's adapters: not `trained`, requiring grad), which are moved to the device once instead."""
+    device (a LoRA's adapters: not `trained`, requiring grad)."""
     slots = []
     for module in block.modules():
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
-            if tensor is None:
-                continue
-            if tensor.requires_grad and not trained:
-                continue
-            slots.append(Slot(module, name, tensor.requires_grad, pin))
+            if tensor is not None and not (tensor.requires_grad and not trained):
+                slots.append(Slot(module, name, tensor.requires_grad))
     return slots
 
 
+def slots_bytes(slots):
+    return pieces_bytes([piece for slot in slots for piece in slot.home])
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Device buffers and the copy stream
+# Device buffers, host arenas, and the copy stream
 
 
 class Buffer:
-    """Device memory for one block's pieces, and the event after which it may be written again (None: at once)."""
+    """Device memory for one block's pieces, and the event after which it may be written (None: at once). A new one
+    waits for the compute stream: torch's allocator may hand it memory that work queued there still uses."""
 
-    def __init__(self, nbytes, device):
-        self.memory, self.free_after = torch.empty(nbytes, dtype=torch.uint8, device=device), None
-
-    def views(self, pieces):
-        """Typed views of the buffer, one per piece (same shape and dtype), laid out in order."""
-        views, offset = [], 0
-        for piece in pieces:
-            size = piece.numel() * piece.element_size()
-            views.append(self.memory[offset:offset + size].view(piece.dtype).view(piece.shape))
-            offset += piece_bytes(piece)
-        return views
+    def __init__(self, nbytes, streams):
+        self.memory = torch.empty(nbytes, dtype=torch.uint8, device=streams.device)
+        self.free_after = streams.compute_event()
 
 
 class Streams:
@@ -161,52 +187,93 @@ class Streams:
             self.copy.synchronize()
 
 
+class HostMemory:
+    """Where the swapped tensors live on the host: arenas, pinned where `pin` (a GPU: only pinned memory copies
+    asynchronously); where pinning is refused (a container's locked-memory limit), pageable memory and one warning
+    through `log`."""
+
+    def __init__(self, pin, log):
+        self.pin, self.log, self.arenas = pin, log, []
+
+    def arena(self, nbytes):
+        if self.pin:
+            try:
+                self.arenas.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+                return self.arenas[-1]
+            except RuntimeError as e:
+                self.pin = False
+                self.log(f"warning: pinned host memory is not available ({str(e).splitlines()[0][:120]}): the swapped "
+                         "blocks are copied from pageable memory, more slowly; raise the locked-memory limit "
+                         "(ulimit -l) to pin them")
+        self.arenas.append(torch.empty(nbytes, dtype=torch.uint8))
+        return self.arenas[-1]
+
+    def home(self, groups):
+        """Give each group of slots (a block's) its pieces' copies in host memory, arena by arena: a group's
+        originals go (go_home) as soon as its copies are made."""
+        sizes = [pieces_bytes([p for slot in slots for p in pieces_of(slot.get())[0]]) for slots in groups]
+        for size, members in packed(sizes):
+            memory, offset = self.arena(size), 0
+            for k in members:
+                for slot in groups[k]:
+                    pieces = pieces_of(slot.get())[0]
+                    slot.home = views(memory, pieces, offset)
+                    for home, piece in zip(slot.home, pieces):
+                        home.copy_(piece)
+                    offset += pieces_bytes(pieces)
+                    slot.go_home()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd's side: the block's weights in before its backward, home after it
 
 
 class BeforeBackward(torch.autograd.Function):
-    """Identity on a block's outputs; in backward, before the block's: its weights in (and the previous block's
-    copy started)."""
+    """Identity on a block's first output; in backward, before the block's: its weights in (and the previous
+    block's copy started)."""
 
     @staticmethod
-    def forward(ctx, swap, index, *outputs):
+    def forward(ctx, swap, index, output):
         ctx.swap, ctx.index = swap, index
-        return tuple(o.view_as(o) for o in outputs)
+        return output.view_as(output)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad):
         ctx.swap.backward_starts(ctx.index)
-        return (None, None, *grads)
+        return None, None, grad
 
 
 class AfterBackward(torch.autograd.Function):
-    """Identity on a block's inputs (and an anchor that requires grad, so that the node is in the graph even where
-    the inputs need no gradient: a frozen first block); in backward, after the block's: its weights home."""
+    """Identity on a block's first input (and an anchor that requires grad, so that the node is in the graph even
+    where the input needs no gradient: a frozen first block); in backward, after the block's: its weights home.
+    Autograd runs a backward's nodes on a device newest first (and a parameter's gradient accumulation, with the
+    hooks that step it, before anything else): this node, made before the block's, runs after all of them. That is
+    torch's engine as it is (a ready queue per device ordered by sequence number), not a documented promise: a
+    parameter stepped after its block went home fails loudly (check_held)."""
 
     @staticmethod
-    def forward(ctx, swap, index, anchor, *inputs):
+    def forward(ctx, swap, index, anchor, first):
         ctx.swap, ctx.index = swap, index
-        return tuple(i.view_as(i) for i in inputs)
+        return first.view_as(first)
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx, grad):
         if ctx.index is not None:
             ctx.swap.backward_ends(ctx.index)
-        return (None, None, None, *grads)
+        return None, None, None, grad
 
 
-def wrapped(function, swap, index, values, *extra):
+def wrapped(function, values, *leading):
     """`values` (a block's arguments or outputs: a tuple, or one tensor) with the first, the hidden states, passed
-    through `function`. Only the first: the others (SD3's conditioning vector, which every block reads) keep the
-    order in which their gradients add up, so a run with blocks swapped computes bit for bit what one without does.
-    Autograd runs a backward's nodes in the reverse order of their making, so the node on a block's first input
-    runs after every node of that block, whatever else it reads."""
+    through `function` (after `leading` arguments). Only the first: the others (SD3's conditioning vector, which
+    every block reads) keep the order in which their gradients add up, so a run with blocks swapped computes bit for
+    bit what one without does."""
     single = not isinstance(values, tuple)
     first = values if single else values[0]
     if not (isinstance(first, torch.Tensor) and first.is_floating_point()):
-        return None
-    first, = function.apply(swap, index, *extra, first)
+        raise TypeError(f"block swap streams blocks whose first argument and output are hidden states, got "
+                        f"{type(first).__name__}")
+    first = function.apply(*leading, first)
     return first if single else (first, *values[1:])
 
 
@@ -217,59 +284,50 @@ def wrapped(function, swap, index, values, *extra):
 class BlockSwap:
     """The first `count` of `blocks` (an nn.ModuleList) held in host memory, each brought to `device` for its use
     (a block's forward, and its recomputed forward and backward); the rest of the model stays on the device. Their
-    weights must be in host memory when it is built (model/loading.py puts them there as it reads the file); what
-    trains of them and does not stream (adapters) is moved to the device here. `optimizers` ({parameter: its
-    optimizer}, a full fine-tune stepped in backward): their parameters are stepped on the device, weights and
-    state then copied home. `pin`: host memory pinned (CUDA; None: when the device is a GPU); where pinning fails,
-    pageable memory and one warning through `log`."""
+    tensors must be in host memory when it is built (model/loading.py puts them there as it reads the file); what
+    trains of them and does not stream (adapters) must be on the device. `optimizers` ({parameter: its optimizer},
+    a full fine-tune stepped in backward): their parameters are stepped on the device, weights and state then
+    copied home. `log`: where a warning goes (pinned memory refused)."""
 
     def __init__(self, blocks, count, device, optimizers=None, log=print):
         if not 0 <= count <= len(blocks):
             raise ValueError(f"cannot swap {count} of {len(blocks)} blocks")
         self.blocks, self.count, self.device = blocks, count, torch.device(device)
         self.optimizers, self.streams = optimizers, Streams(self.device)
-        pin = self.device.type == "cuda" and pinnable(log)
-        self.slots = [module_slots(blocks[i], optimizers is not None, pin) for i in range(count)]
-        self.pin, self.state_home = pin, {}  # (parameter, key) -> the pieces of its optimizer state at home
-        self.pools, self.buffers_made = {}, 0  # shape of a block -> free buffers
-        self.loaded, self.held, self.kept = {}, set(), {}  # block -> (its buffer, the state slots it brought)
-        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
+        self.slots = [module_slots(blocks[i], optimizers is not None) for i in range(count)]
+        self.host = HostMemory(self.device.type == "cuda", log)
         with torch.no_grad():
-            for i in range(count):
-                for p in blocks[i].parameters():
-                    if p.requires_grad and optimizers is None:  # adapters: on the device for good
-                        p.data = p.data.to(self.device)
-                for slot in self.slots[i]:
-                    slot.go_home()
-        self.hooks = []
+            self.host.home(self.slots)
+        self.state_home = {}  # (parameter, key) -> the slot of its optimizer state
+        self.pools, self.buffers_made = {}, 0  # shape of a block -> free buffers
+        self.loaded, self.held, self.kept = {}, set(), set()  # loaded: block -> (buffer, state slots, copied)
+        self.anchor = torch.empty(0, device=self.device, requires_grad=True)
         for i in range(count):
-            self.hooks.append(blocks[i].register_forward_pre_hook(functools.partial(self.before_forward, i)))
-            self.hooks.append(blocks[i].register_forward_hook(functools.partial(self.after_forward, i)))
+            blocks[i].register_forward_pre_hook(functools.partial(self.before_forward, i))
+            blocks[i].register_forward_hook(functools.partial(self.after_forward, i))
+            for param in self.trained_parameters(i):  # before the gradient accumulates and its step runs
+                param.register_hook(functools.partial(self.check_held, i))
         if count < len(blocks):  # the first block on the device starts the copy of the last swapped one in backward
-            self.hooks.append(blocks[count].register_forward_hook(functools.partial(self.after_forward, count)))
+            blocks[count].register_forward_hook(functools.partial(self.after_forward, count))
 
     # -- what the blocks' hooks and autograd's nodes call
 
     def before_forward(self, index, module, args):
-        if index in self.held:  # its recompute in backward: the weights are in; its inputs need a gradient as they
+        if index in self.held:  # its recompute in backward: the weights are in; its input needs a gradient as it
             # did the first time (the recompute must save what that forward saved), the node does nothing
-            return wrapped(AfterBackward, self, None, args, self.anchor)
+            return wrapped(AfterBackward, args, self, None, self.anchor)
         if index in self.kept:
             return None
         self.bring(index, state=False)
         self.prefetch(index + 1, state=False)
-        if torch.is_grad_enabled():
-            return wrapped(AfterBackward, self, index, args, self.anchor)
-        return None
+        return wrapped(AfterBackward, args, self, index, self.anchor) if torch.is_grad_enabled() else None
 
     def after_forward(self, index, module, args, output):
         if index < self.count:
             if index in self.held or index in self.kept:
                 return None
             self.send_home(index, write_back=False)
-        if torch.is_grad_enabled():
-            return wrapped(BeforeBackward, self, index, output)
-        return None
+        return wrapped(BeforeBackward, output, self, index) if torch.is_grad_enabled() else None
 
     def backward_starts(self, index):
         if index < self.count:
@@ -285,6 +343,11 @@ class BlockSwap:
         if index == 0 and self.optimizers is not None:
             self.streams.settle()  # the host reads the stepped weights next (the EMA, a save)
 
+    def check_held(self, index, grad):
+        if index not in self.held:
+            raise RuntimeError(f"block swap: a gradient of block {index} came after its backward had sent it home "
+                               "(autograd ran its nodes in an order this torch does not keep)")
+
     # -- moving a block
 
     def prefetch(self, index, state, down=False):
@@ -297,18 +360,15 @@ class BlockSwap:
 
     def fetch(self, index, state, buffer=None):
         """Queue the copy of block `index`'s weights (and, with `state`, its parameters' optimizer state) into a
-        buffer of its shape (or `buffer`) on the side stream -> (the buffer, the state slots)."""
+        buffer of its shape (or `buffer`) on the side stream; the block is `loaded`."""
         states = self.state_slots(index) if state else []
-        slots = self.slots[index] + states
-        pieces = [piece for slot in slots for piece in slot.home]
-        nbytes = sum(piece_bytes(piece) for piece in pieces)
-        buffer = buffer or self.take(self.shape_of(index), nbytes)
+        pieces = [piece for slot in self.slots[index] + states for piece in slot.home]
+        buffer = buffer or self.take(self.shape_of(index), pieces_bytes(pieces))
         with torch.no_grad(), self.streams.copying(after=buffer.free_after):
-            for view, piece in zip(buffer.views(pieces), pieces):
-                view.copy_(piece, non_blocking=self.pin)
+            for view, piece in zip(views(buffer.memory, pieces), pieces):
+                view.copy_(piece, non_blocking=self.host.pin)
         buffer.free_after = None
         self.loaded[index] = (buffer, states, self.streams.copied())
-        return self.loaded[index]
 
     def bring(self, index, state):
         """Block `index` on the device (copied ahead, or now) and its modules (and optimizer state) pointing at it."""
@@ -317,9 +377,9 @@ class BlockSwap:
         buffer, states, copied = self.loaded[index]
         self.streams.compute_waits(copied)
         slots = self.slots[index] + states
-        views = iter(buffer.views([piece for slot in slots for piece in slot.home]))
+        in_buffer = iter(views(buffer.memory, [piece for slot in slots for piece in slot.home]))
         for slot in slots:
-            slot.put(rebuilt([next(views) for _ in slot.home], slot.how))
+            slot.put(rebuilt([next(in_buffer) for _ in slot.home], slot.how))
 
     @torch.no_grad()
     def send_home(self, index, write_back):
@@ -331,7 +391,7 @@ class BlockSwap:
             with self.streams.copying(after=after):
                 for slot in [s for s in self.slots[index] if s.trained] + states:
                     for home, piece in zip(slot.home, pieces_of(slot.get())[0]):
-                        home.copy_(piece, non_blocking=self.pin)
+                        home.copy_(piece, non_blocking=self.host.pin)
             after = self.streams.copied()
             self.write_new_state(index, states)
         for slot in self.slots[index] + states:
@@ -339,6 +399,10 @@ class BlockSwap:
         if buffer is not None:
             buffer.free_after = after
             self.pools.setdefault(self.shape_of(index), []).append(buffer)
+        if torch.is_autocast_enabled(self.device.type):  # autocast's casts of trained fp32 weights: not kept on
+            torch.clear_autocast_cache()                   # the device for the rest of the forward
+
+    # -- a fused step's optimizer state
 
     def trained_parameters(self, index):
         return [slot.owner._parameters[slot.name] for slot in self.slots[index] if slot.trained]
@@ -353,31 +417,38 @@ class BlockSwap:
                        and (key != "step" or on_device)]
 
     def state_slots(self, index):
-        """The optimizer state of block `index`'s parameters, as slots: made the first time, and again where the
-        optimizer's state was replaced since (a resume loads new tensors)."""
+        """The optimizer state of block `index`'s parameters, as slots homed in host memory: made the first time,
+        and again where the optimizer's state was replaced since (a resume loads new tensors)."""
         if self.optimizers is None:
             return []
-        slots = []
+        slots, new = [], []
         for param in self.trained_parameters(index):
             state, keys = self.streamed_state(param)
             for key in keys:
                 slot = self.state_home.get((param, key))
                 if slot is None or slot.owner is not state or slot.current is not state[key]:
-                    slot = self.state_home[(param, key)] = Slot(state, key, False, self.pin)
+                    slot = self.state_home[(param, key)] = Slot(state, key)
+                    new.append(slot)
                 slots.append(slot)
+        if new:
+            self.host.home([new])  # one arena for the block's state (synchronous: once a run, or a resume)
         return slots
 
     def write_new_state(self, index, known):
-        """Optimizer state the first step made on the device (not among the slots `known`): copied home, a slot of
-        its own from now on (synchronously: once a run)."""
-        known = {id(slot) for slot in known}
+        """Optimizer state the first step made on the device (not among the slots `known`, which came in with the
+        block): homed now, in one arena for the block (synchronously: once a run)."""
+        known, new = {id(slot) for slot in known}, []
         for param in self.trained_parameters(index):
             state, keys = self.streamed_state(param)
             for key in keys:
                 slot = self.state_home.get((param, key))
                 if slot is None or id(slot) not in known:
-                    slot = self.state_home[(param, key)] = Slot(state, key, False, self.pin)
-                    slot.go_home()
+                    new.append(Slot(state, key))
+                    self.state_home[(param, key)] = new[-1]
+        if new:
+            self.host.home([new])
+
+    # -- buffers
 
     def shape_of(self, index):
         """Blocks of the same shape share buffers: the shapes and dtypes of their weights."""
@@ -392,53 +463,50 @@ class BlockSwap:
                 buffer.free_after.synchronize()
             buffer = None
         if buffer is None:
-            buffer = Buffer(nbytes, self.device)
+            buffer = Buffer(nbytes, self.streams)
             self.buffers_made += 1
         return buffer
 
-    # -- sampling with fewer blocks streamed, and what it all takes
+    def buffers_needed(self):
+        """Device bytes the pools still need to stream every swapped block (two buffers a shape, less what they
+        hold)."""
+        shapes = {}
+        for index in range(self.count):
+            shapes.setdefault(self.shape_of(index), []).append(slots_bytes(self.slots[index]))
+        return sum(max(0, sum(sizes[:2]) - sum(b.memory.numel() for b in self.pools.get(shape, [])))
+                   for shape, sizes in shapes.items())
+
+    # -- sampling with fewer blocks streamed
 
     @contextlib.contextmanager
     def streaming(self, count):
         """While the context lasts only the first `count` swapped blocks stream; the others are brought in once and
-        kept (a no-grad sampler where the card has room for them)."""
-        kept = range(max(0, count), self.count)
+        kept (a no-grad sampler where the card has room for them), in memory of their own, freed after."""
         try:
-            for index in kept:
-                nbytes = sum(piece_bytes(p) for slot in self.slots[index] for p in slot.home)
-                self.kept[index] = self.fetch(index, False, Buffer(nbytes, self.device))
+            for index in range(max(0, count), self.count):
+                self.fetch(index, False, Buffer(slots_bytes(self.slots[index]), self.streams))
                 self.bring(index, state=False)
+                self.kept.add(index)
             yield self
         finally:
-            for index in list(self.kept):
-                self.kept.pop(index)
-                buffer, states, copied = self.loaded[index]
+            for index in sorted(self.kept):
+                self.kept.discard(index)
+                _, states, copied = self.loaded[index]
                 self.loaded[index] = (None, states, copied)  # its own memory: freed, not pooled
                 self.send_home(index, write_back=False)
 
     def block_bytes(self):
         """The largest swapped block's weights, in bytes: what keeping one on the device takes."""
-        return max((sum(piece_bytes(p) for slot in slots for p in slot.home) for slots in self.slots), default=0)
-
-    def host_bytes(self):
-        """Host memory the swapped blocks hold (their weights, and the optimizer state written home)."""
-        slots = [slot for slots in self.slots for slot in slots] + list(self.state_home.values())
-        return sum(p.numel() * p.element_size() for slot in slots for p in slot.home)
-
-    def buffer_bytes(self):
-        return sum(b.memory.numel() for pool in self.pools.values() for b in pool)
+        return max((slots_bytes(slots) for slots in self.slots), default=0)
 
 
-def pinnable(log):
-    """Whether pinned host memory can be had (a container's locked-memory limit can refuse it): else one warning,
-    and the copies go from pageable memory (synchronous, slower)."""
-    try:
-        torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
-        return True
-    except RuntimeError as e:
-        log(f"warning: pinned host memory is not available ({str(e).splitlines()[0][:120]}): the swapped blocks are "
-            "copied from pageable memory, more slowly; raise the locked-memory limit (ulimit -l) to pin them")
-        return False
+def swap_sizes(blocks, count):
+    """-> (the size of the first `count` of `blocks` ((size, shape) pairs: parameters or bytes), the size of the
+    device buffers they stream through: of each shape among them one block, two where two or more of it stream)."""
+    moved, shapes = blocks[:count], {}
+    for size, shape in moved:
+        shapes.setdefault(shape, []).append(size)
+    return sum(size for size, _ in moved), sum(sum(sizes[:2]) for sizes in shapes.values())
 
 
 def swap_request(asked, sharded, streamable, blocks):

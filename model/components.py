@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.block_swap import BlockSwap
+from model.block_swap import BlockSwap, swap_sizes
 from model.clip_text import CLIPText
 from model.errors import UserError
 from model.token_routing import to_device
@@ -228,7 +228,8 @@ class SD3Components(nn.Module):
         self.vae = frozen(load(AutoencoderKL, "vae")).to(device)
         self.clip_l, self.clip_g = frozen(load(CLIPTextModelWithProjection, "text_encoder")), \
             frozen(load(CLIPTextModelWithProjection, "text_encoder_2"))
-        self.streamed, self.placed = (), False  # the text encoders whose layers stream; whether they are on the device
+        self.streamed, self.placed, self.log = (), False, print  # the text encoders whose layers stream; whether
+        # they are on the device; where a warning of their streaming goes
         self.tokenizers = {"clip_l": load(CLIPTokenizer, "tokenizer"), "clip_g": load(CLIPTokenizer, "tokenizer_2")}
         self.t5, self.t5_swap = frozen(load(T5EncoderModel, "text_encoder_3")) if has_t5 else None, None
         if has_t5:
@@ -285,20 +286,21 @@ class SD3Components(nn.Module):
         return images.sample.float().clamp(-1, 1)
 
     def encoder_sizes(self):
-        """{name: (bytes whole, bytes of its layers that can stream, bytes of the largest of them)} of the VAE and
-        the text encoders, as held: what building the cache holds on the device (model/memory.py)."""
+        """{name: (bytes whole, bytes of its layers that can stream, bytes of the buffers they stream through)} of the
+        VAE and the text encoders, as held: what building the cache holds on the device (model/memory.py)."""
         sizes = {"VAE": (module_bytes(self.vae), 0, 0), "CLIP-L": (module_bytes(self.clip_l), 0, 0),
                  "CLIP-G": (module_bytes(self.clip_g), 0, 0)}
         if self.t5 is not None:
-            layers = [module_bytes(layer) for layer in self.t5.encoder.block]
-            sizes["T5"] = (module_bytes(self.t5), sum(layers), max(layers))
+            layers = [(module_bytes(layer), tuple(tuple(p.shape) for p in layer.parameters()))
+                      for layer in self.t5.encoder.block]  # (the first carries the position bias: a shape alone)
+            sizes["T5"] = (module_bytes(self.t5), *swap_sizes(layers, len(layers)))
         return sizes
 
-    def stream_text_encoders(self, names):
+    def stream_text_encoders(self, names, log=print):
         """Which text encoders (by encoder_sizes' names: "T5") keep their layers in host memory when they come to
         the device, each layer copied in one ahead of its use: what fits the card (model/memory.py
-        fit_cache_build). Said before they first encode; the others come whole."""
-        self.streamed = tuple(names)
+        fit_cache_build). Said before they first encode; the others come whole. `log`: where a warning goes."""
+        self.streamed, self.log = tuple(names), log
 
     def text_encoders_in(self):
         """The text encoders on the device, as stream_text_encoders said (whole by default), once."""
@@ -310,7 +312,7 @@ class SD3Components(nn.Module):
             for name, child in [*self.t5.named_children(), *self.t5.encoder.named_children()]:
                 if name not in ("encoder", "block"):  # the embedding, the final norm: on the device for good
                     child.to(self.device)
-            self.t5_swap = BlockSwap(self.t5.encoder.block, len(self.t5.encoder.block), self.device)
+            self.t5_swap = BlockSwap(self.t5.encoder.block, len(self.t5.encoder.block), self.device, log=self.log)
         elif self.t5 is not None:
             self.t5 = self.t5.to(self.device)
 
@@ -343,8 +345,10 @@ class SD3Components(nn.Module):
         (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
         self.prompt_memo[tuple(prompts)] = encoded or self.condition(self.encode_text(prompts))
         self.clip_l = self.clip_g = self.t5 = self.t5_swap = None
-        if self.device.type == "cuda":  # torch's allocator keeps what they held reserved: give it back to the GPU
+        if self.device.type == "cuda":  # torch's allocators keep what they held: give it back to the GPU and the host
             torch.cuda.empty_cache()
+            if hasattr(torch._C, "_host_emptyCache"):  # pinned memory (T5's streamed layers)
+                torch._C._host_emptyCache()
 
     @torch.no_grad()
     def encode(self, images, captions):

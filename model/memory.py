@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from model.block_swap import host_arena_bytes, swap_sizes
 from model.components import module_bytes, text_tokens
 from model.model_sd3light import blocks_recomputed, meta_model
 
@@ -89,7 +90,7 @@ def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, 
     trained = [params if net == "trained" else 0 if net == "frozen" else net for net in plan.networks]
     frozen = sum(params for net in plan.networks if net != "trained") * frozen_bytes(frozen_dtype)
     ema_on_device = plan.ema and (device_type == "cpu" or plan.ema_device != "cpu")
-    weight = 2 if plan.trained_dtype == "bf16" else 4
+    weight = trained_weight_bytes(plan)
     parts = {"weights": weight * sum(trained) + frozen,
              "gradients": weight * (min(largest, sum(trained)) if plan.step_in_backward else sum(trained)),
              "optimizer": sum(state_bytes(config, plan, n) for n in trained),
@@ -102,6 +103,11 @@ def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, 
     save = 2 * 4 * largest if device_type == "cpu" and any(trained) else 0  # one tensor written, one read back
     parts.update(activations=activations, components=components_bytes, runtime=RUNTIME[device_type], save=save)
     return parts
+
+
+def trained_weight_bytes(plan):
+    """A trained weight's bytes (and its gradient's): --trained_dtype."""
+    return 2 if plan.trained_dtype == "bf16" else 4
 
 
 def state_bytes(config, plan, trained):
@@ -123,47 +129,37 @@ def block_shapes(model):
             for block in model.transformer_blocks]
 
 
-def swap_sizes(blocks, count):
-    """-> (the parameters of the first `count` of `blocks` (block_shapes), those the device's buffers hold while
-    they stream: of each shape among them one block, two where two or more of that shape stream)."""
-    moved = blocks[:count]
-    shapes = {}
-    for size, shape in moved:
-        shapes.setdefault(shape, []).append(size)
-    return sum(size for size, _ in moved), sum(sum(sizes[:2]) for sizes in shapes.values())
-
-
 def swapped_parameter_bytes(plan, frozen_dtype):
-    """What a swapped parameter takes, in host memory and in a buffer: a frozen base's weight; a trained one's weight
-    and its optimizer state (a full fine-tune stepped in backward: both stream)."""
+    """What a swapped parameter takes, in host memory and in a buffer: (its weight's bytes, its optimizer state's):
+    a frozen base's weight; a trained one's weight and state (a full fine-tune stepped in backward: both stream)."""
     if plan.networks[0] != "trained":
-        return frozen_bytes(frozen_dtype)
-    state = 4 if plan.trained_dtype == "bf16" and plan.optimizer == "adamw" else OPTIMIZER_BYTES[plan.optimizer]
-    return (2 if plan.trained_dtype == "bf16" else 4) + state
+        return frozen_bytes(frozen_dtype), 0
+    return trained_weight_bytes(plan), state_bytes(None, plan, 1)
 
 
 def with_swap(parts, plan, frozen_dtype, swapped):
     """`parts` (estimate's, nothing swapped) with plan.blocks_to_swap of the first network's blocks streamed: their
     weights (trained: and their optimizer state and EMA) off the device, the buffers they stream through on it.
-    `swapped`: swap_sizes'."""
+    `swapped`: model/block_swap.swap_sizes' (in parameters)."""
     moved, buffered = swapped
-    per = swapped_parameter_bytes(plan, frozen_dtype)
+    weight, state = swapped_parameter_bytes(plan, frozen_dtype)
     parts = dict(parts)
-    parts["weights"] -= moved * (frozen_bytes(frozen_dtype) if plan.networks[0] != "trained" else
-                                 2 if plan.trained_dtype == "bf16" else 4)
-    if plan.networks[0] == "trained":
-        parts["optimizer"] -= moved * (per - (2 if plan.trained_dtype == "bf16" else 4))
-        parts["EMA"] -= 4 * moved if parts["EMA"] else 0  # the EMA of host weights is kept in host memory
-    parts["swap buffers"] = per * buffered
+    parts["weights"] -= moved * weight
+    parts["optimizer"] -= moved * state
+    if plan.networks[0] == "trained" and parts["EMA"]:
+        parts["EMA"] -= 4 * moved  # the EMA of weights at home is kept in host memory beside them
+    parts["swap buffers"] = (weight + state) * buffered
     return parts
 
 
 def swap_host_bytes(config, plan, frozen_dtype):
-    """Host memory the swapped blocks take (pinned on a GPU): their weights, a trained one's optimizer state and
-    EMA too."""
-    moved, _ = swap_sizes(block_shapes(meta_model(config)), plan.blocks_to_swap or 0)
-    ema = 4 * moved if plan.ema and plan.networks[0] == "trained" else 0
-    return moved * swapped_parameter_bytes(plan, frozen_dtype) + ema
+    """Host memory the swapped blocks take -> (what is pinned on a GPU: their weights in arenas, a trained block's
+    optimizer state in one of its own; the EMA of trained weights, pageable)."""
+    moved = [size for size, _ in block_shapes(meta_model(config))[:plan.blocks_to_swap or 0]]
+    weight, state = swapped_parameter_bytes(plan, frozen_dtype)
+    pinned = host_arena_bytes([weight * n for n in moved]) + sum(host_arena_bytes([state * n]) for n in moved
+                                                                   if state)
+    return pinned, 4 * sum(moved) if plan.ema and plan.networks[0] == "trained" else 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -195,7 +191,7 @@ def fitted_plan(config, plan, memory_bytes, holding, latent, value_bytes):
     the estimate to fit AUTO_SHARE of it; everything swapped and recomputed where nothing less fits.
 
     Recomputation is spent first, swapping only where recomputing every block does not fit: a recomputed block
-    frees its activations (at 1024 px more than its weights take: SD3.5-Large's 0.56 GiB against 0.42 in bf16) at
+    frees its activations (at 1024 px more than its weights take: SD3.5-Large's 0.52 GiB against 0.40 in bf16) at
     the cost of a second forward and nothing else, while a swapped block frees its weights but is recomputed anyway
     (what backward keeps of it must hold no weight) and crosses to the device twice a step. A swapped block is
     always among the recomputed ones (both are the first blocks). On a CPU, auto swaps nothing: host and device
@@ -259,7 +255,7 @@ def estimate_lines(config, plan, components, precision, info):
         f"{config.num_layers}"
     if plan.blocks_to_swap:
         line += f"; blocks swapped to host memory: {plan.blocks_to_swap} of {config.num_layers} " \
-            f"({swap_host_bytes(config, plan, precision.frozen) / GIB:.2f} GiB there)"
+            f"({sum(swap_host_bytes(config, plan, precision.frozen)) / GIB:.2f} GiB there)"
     if device.type == "cuda":  # what a faster run could take: a larger micro-batch
         largest = largest_batch(config, plan, activation_room(parts, available), latent, value_bytes)
         line += f"; the largest micro-batch that fits {AUTO_SHARE:.0%} of it: {largest} recomputing every block"
@@ -285,15 +281,16 @@ def swap_lines(config, plan, frozen_dtype, device):
     if device.type != "cuda":
         return [f"--blocks_to_swap on a CPU: the {plan.blocks_to_swap} blocks are held apart and copied in and out "
                 "around each use as on a GPU, but host and device memory are one here: it saves nothing"]
-    needed, lines = swap_host_bytes(config, plan, frozen_dtype), []
+    (pinned, pageable), lines = swap_host_bytes(config, plan, frozen_dtype), []
     free, locked = host_memory(), locked_memory_limit()
-    if free is not None and needed > free:
-        lines.append(f"warning: the swapped blocks take {needed / GIB:.1f} GiB of host memory and the host has "
-                     f"{free / GIB:.1f} GiB free: close other programs, or pass --frozen_dtype int8 (half the bytes)")
-    if locked is not None and needed > locked:
-        lines.append(f"warning: the swapped blocks pin {needed / GIB:.1f} GiB of host memory and the locked-memory "
-                     f"limit is {locked / GIB:.2f} GiB (ulimit -l): raise it (ulimit -l unlimited, or the container's "
-                     "--ulimit memlock=-1); if pinning fails the copies go from pageable memory, more slowly")
+    if free is not None and pinned + pageable > free:
+        lines.append(f"warning: the swapped blocks take {(pinned + pageable) / GIB:.1f} GiB of host memory and the "
+                     f"host has {free / GIB:.1f} GiB free: close other programs, or pass --frozen_dtype int8 (half the "
+                     "bytes)")
+    if locked is not None and pinned > locked:
+        lines.append(f"warning: the swapped blocks pin {pinned / GIB:.1f} GiB of host memory and the locked-memory "
+                     f"limit is {locked / GIB:.2f} GiB (ulimit -l): where pinning is refused the copies go from "
+                     "pageable memory, more slowly (ulimit -l unlimited, or a container's --ulimit memlock=-1)")
     return lines
 
 
@@ -437,12 +434,13 @@ def sampling_room(device):
 
 def cache_build_estimate(encoders, streamed, batch, resolution, value_bytes, device_type):
     """-> {part: bytes} of the device's peak while the cache is built: the VAE and each text encoder as it runs
-    (`encoders`: {name: (bytes whole, bytes of its layers, bytes of its largest layer)}), whole, or for those in
-    `streamed` all but their layers, which come in two at a time (model/block_swap.py); the VAE encoder's activations
-    for `batch` images of `resolution` px (VAE_ENCODE_VALUES a pixel, of `value_bytes`); and the runtime."""
+    (`encoders`: {name: (bytes whole, bytes of its layers, bytes of the buffers they stream through)}), whole, or for
+    those in `streamed` all but their layers, which come in through their buffers (model/block_swap.py); the VAE
+    encoder's activations for `batch` images of `resolution` px (VAE_ENCODE_VALUES a pixel, of `value_bytes`); and
+    the runtime."""
     parts = {}
-    for name, (whole, layers, largest) in encoders.items():
-        parts[name + (" streamed" if name in streamed else "")] = whole - layers + 2 * largest \
+    for name, (whole, layers, buffers) in encoders.items():
+        parts[name + (" streamed" if name in streamed else "")] = whole - layers + buffers \
             if name in streamed else whole
     parts["VAE activations"] = VAE_ENCODE_VALUES * value_bytes * batch * resolution ** 2
     parts["runtime"] = RUNTIME[device_type]

@@ -35,9 +35,10 @@ METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and 
 
 class LoRAMatmul(torch.autograd.Function):
     """x W^T + b + scale (x A^T) B^T in the compute dtype, its gradients written by hand, for a frozen W and b: the
-    base and the update end in one addmm, backward saves x and the small x A^T, and the adapters come cast and
-    transposed (`frozen`: W, b, A^T, B^T, scale). Autograd through three nn.Linear calls dispatched about 60
-    operations a layer a step, each a launch the GPU waits on at batch 1; this dispatches about a third of them.
+    base and the update end in one addmm, backward saves x and the small x A^T, the adapters come cast and
+    transposed, W and b as held (`frozen`: W, b, A^T, B^T, scale; W cast to A^T's dtype where it is another).
+    Autograd through three nn.Linear calls dispatched about 60 operations a layer a step, each a launch the GPU
+    waits on at batch 1; this dispatches about a third of them.
     `base`: the frozen layer's output, computed outside (W of a type mm does not take, e.g. int8), or None."""
 
     @staticmethod
@@ -46,10 +47,12 @@ class LoRAMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).to(a_t.dtype)
         h = torch.mm(x2, a_t)  # [tokens, rank]
         if base is None:
-            base = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+            w = weight.to(a_t.dtype)
+            base = torch.addmm(bias.to(a_t.dtype), x2, w.t()) if bias is not None else torch.mm(x2, w.t())
         out = torch.addmm(base.reshape(h.shape[0], -1), h, b_t, alpha=scale)
         ctx.save_for_backward(x2, h)  # the activations: what checkpointing frees and recomputes
-        # the weights, on ctx: they outlive the step anyway, and checkpointing has nothing to recompute of them
+        # the weights, on ctx as they are held (a cast is made again in backward): a parameter, not a copy of it,
+        # so a block swapped to host memory (model/block_swap.py) keeps nothing of its weights on the device
         ctx.frozen, ctx.scale = (weight, a_t, b_t), scale
         ctx.x_meta, ctx.dtypes = (x.shape, x.dtype), (lora_a.dtype, lora_b.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -58,6 +61,7 @@ class LoRAMatmul(torch.autograd.Function):
     def backward(ctx, grad):
         x2, h = ctx.saved_tensors
         weight, a_t, b_t = ctx.frozen
+        weight = None if weight is None else weight.to(a_t.dtype)
         g = grad.reshape(-1, grad.shape[-1]).to(a_t.dtype)
         gh = torch.mm(g, b_t.t()).mul_(ctx.scale)  # [tokens, rank]: the gradient of x A^T
         grad_x = None
@@ -72,13 +76,14 @@ class LoRAMatmul(torch.autograd.Function):
 class LoRALinear(nn.Linear):
     """An nn.Linear (same weight and bias parameters, so the same state-dict names) plus a low-rank update."""
 
-    def __init__(self, base, rank, alpha, dropout=0.0):
+    def __init__(self, base, rank, alpha, dropout=0.0, device=None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate and initialise a weight we do not want
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias  # the very same tensors: nothing copied
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=base.weight.device)
-        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
+        device = device or base.weight.device  # (a base swapped to host memory: its adapters drawn on the device)
+        self.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device)
+        self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # as nn.Linear (and peft) initialise
         nn.init.zeros_(self.lora_B.weight)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -102,8 +107,8 @@ class LoRALinear(nn.Linear):
         plain = type(weight) in (torch.Tensor, nn.Parameter) and not (weight.requires_grad or
                                                                      bias is not None and bias.requires_grad)
         if plain and isinstance(self.dropout, nn.Identity):  # one matrix product for the base and the update
-            frozen = (weight.to(dtype), None if bias is None else bias.to(dtype), a_t, b_t, self.scale)
-            return LoRAMatmul.apply(x, self.lora_A.weight, self.lora_B.weight, frozen, None)
+            return LoRAMatmul.apply(x, self.lora_A.weight, self.lora_B.weight, (weight, bias, a_t, b_t, self.scale),
+                                    None)
         base = super().forward(x)  # autograd's: a trained or quantised W, or dropout on the adapter's input only
         return LoRAMatmul.apply(self.dropout(x), self.lora_A.weight, self.lora_B.weight,
                                 (None, None, a_t, b_t, self.scale), base.to(dtype))
@@ -155,9 +160,9 @@ def _matches(name, suffixes):
     return any(name == s or name.endswith("." + s) for s in suffixes)
 
 
-def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0):
-    """Freeze `model` and put a LoRA on every nn.Linear whose name ends with a target suffix.
-    -> the adapted module names. alpha defaults to rank (scale 1)."""
+def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0, device=None):
+    """Freeze `model` and put a LoRA on every nn.Linear whose name ends with a target suffix, its adapters on
+    `device` (None: where each layer's weight is). -> the adapted module names. alpha defaults to rank (scale 1)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be at least 1, got {rank}")
     alpha = float(rank if alpha is None else alpha)
@@ -170,7 +175,7 @@ def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0):
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout))
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, device))
     return names
 
 

@@ -13,9 +13,10 @@ SD3_DOWNSCALE = 8  # its latent is an eighth of the image's side
 # 10240) beside its 32128 x 4096 embedding
 T5_LAYER = 4 * 4096 ** 2 + 3 * 4096 * 10240
 # What building the cache holds, in bf16, as SD3Components.encoder_sizes gives it: (bytes whole, bytes of the layers
-# that can stream, the largest layer's)
+# that can stream, bytes of the buffers they stream through: the first layer, with the position bias, a shape alone,
+# and two of the others)
 SD3_ENCODERS = {"VAE": (SD3_VAE_BYTES, 0, 0), "CLIP-L": (123e6 * 2, 0, 0), "CLIP-G": (695e6 * 2, 0, 0),
-                "T5": (4.76e9 * 2, 24 * T5_LAYER * 2, T5_LAYER * 2)}
+                "T5": (4.76e9 * 2, 24 * T5_LAYER * 2, 3 * T5_LAYER * 2)}
 
 
 def card_estimate(stage, args, card_bytes=24 * GIB):

@@ -3,6 +3,7 @@ use compute bit for bit what resident blocks do (a LoRA on a bf16 or int8 base, 
 backward with its optimizer state, T5 streamed by layer); nothing backward keeps holds a weight; the stages train
 and resume across a change of the count bit for bit; the estimate and the plan; what it does not go with."""
 import json
+import dataclasses
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import trainer.train_dpo as train_dpo
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-from model.block_swap import BlockSwap, pieces_of, pinnable, swap_request
+from model.block_swap import BlockSwap, HostMemory, host_arena_bytes, module_slots, packed, pieces_of, swap_request
 from model.checkpoint import first_difference, load_safetensors, read_manifest
 from model.errors import UserError
 from model.model_lora import apply_lora, lora_parameters, read_lora_file
@@ -121,13 +122,32 @@ def test_t5_streamed_by_layer_encodes_what_it_does_whole(sd3):
 
 
 def test_pinned_memory_that_cannot_be_had_falls_back_with_a_warning(monkeypatch):
-    def refused(*args, **kwargs):
-        raise RuntimeError("cudaHostAlloc failed: out of memory")
+    """A container's locked-memory limit refuses pinned memory: the arenas are pageable, said once."""
+    empty = torch.empty
+
+    def refused(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc failed: out of memory")
+        return empty(*args, **kwargs)
 
     monkeypatch.setattr(torch, "empty", refused)
-    said = []
-    assert pinnable(said.append) is False
-    assert said[0].startswith("warning: pinned host memory is not available") and "ulimit -l" in said[0]
+    said, host = [], HostMemory(True, None)
+    host.log = said.append
+    model = randomise(SD3Light(CONFIG), 0).requires_grad_(False)
+    host.home([module_slots(block, False) for block in model.transformer_blocks])
+    assert not host.pin and len(said) == 1 and said[0].startswith("warning: pinned host memory is not available")
+    assert "ulimit -l" in said[0] and all(not arena.is_pinned() for arena in host.arenas)
+
+
+def test_host_memory_comes_in_arenas_of_powers_of_two_that_waste_little():
+    """torch's pinned-memory cache rounds an allocation up to a power of two: blocks are packed into arenas of that
+    size, each filled as far as its blocks go."""
+    block = 212_999_680 * 2  # an SD3.5-Large block in bf16: 406 MiB
+    arenas = packed([block] * 36)
+    assert [size for size, _ in arenas] == [2 ** 32] * 3 + [2 ** 31, 2 ** 29]  # 10, 10, 10, 5 blocks and 1
+    assert sum(len(members) for _, members in arenas) == 36 and [m for _, ms in arenas for m in ms] == list(range(36))
+    assert host_arena_bytes([block] * 36) < 1.03 * 36 * block
+    assert packed([3, 3, 3]) == [(8, [0, 1]), (4, [2])]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -160,8 +180,11 @@ def test_a_stage_with_blocks_swapped_trains_and_resumes_bit_for_bit(tmp_path, sd
                 "--max_steps", str(steps), "--blocks_to_swap", str(count), *dirs(run_dir)]
 
     run_in_process(module, argv(tmp_path / "whole", 20, 0), monkeypatch)
-    run_in_process(module, argv(tmp_path / "swapped", 10, 2), monkeypatch)
-    run_in_process(module, argv(tmp_path / "swapped", 20, 1) + ["--from_resume", "1"], monkeypatch)
+    _, first = run_in_process(module, argv(tmp_path / "swapped", 10, 2), monkeypatch)
+    _, then = run_in_process(module, argv(tmp_path / "swapped", 20, 1) + ["--from_resume", "1"], monkeypatch)
+    for messages, count in ((first, 2), (then, 1)):  # it swapped, and said what that saves on a CPU
+        assert any(f"blocks swapped to host memory: {count} of 2" in m for m in messages)
+        assert any(m.startswith("--blocks_to_swap on a CPU") and m.endswith("it saves nothing") for m in messages)
     whole, swapped = (final_state(tmp_path / run, name, lambda run_dir: exported(run_dir, name))
                       for run in ("whole", "swapped"))
     assert whole["step"] == 20 and len({row["loss"] for row in whole["logged"]}) == 20  # it trained
@@ -226,8 +249,10 @@ def test_the_estimate_moves_swapped_weights_to_the_host_and_counts_two_buffers_a
     assert none["weights"] - some["weights"] == memory.frozen_bytes("int8") * sum(sizes[:14])
     assert some["swap buffers"] == memory.frozen_bytes("int8") * (sizes[0] + sizes[1] + sizes[13])
     fused = memory.MemoryPlan(("trained",), "adamw8bit", True, "auto", 1, 1024, True, "bf16", True, 6)
-    host = memory.swap_host_bytes(config, fused, "bf16")
-    assert host == sum(sizes[:6]) * (2 + memory.OPTIMIZER_BYTES["adamw8bit"] + 4)  # weights, state, the EMA
+    pinned, pageable = memory.swap_host_bytes(config, fused, "bf16")
+    weights, state = 2 * sizes[0], memory.OPTIMIZER_BYTES["adamw8bit"] * sizes[0]  # blocks 0-5: one shape
+    assert pinned == host_arena_bytes([weights] * 6) + 6 * host_arena_bytes([state])  # a block's state apart
+    assert 6 * (weights + state) < pinned < 1.25 * 6 * (weights + state) and pageable == 4 * 6 * sizes[0]  # EMA
 
 
 def test_auto_recomputes_every_block_before_it_swaps_one():
@@ -257,7 +282,7 @@ def test_the_cache_build_streams_t5_only_where_the_encoders_do_not_fit():
     assert whole == () and parts["T5"] == SD3_ENCODERS["T5"][0]
     streamed, parts = cache_build_plan(SD3_ENCODERS, 1, 1024, 8 * GIB, "cuda")
     assert streamed == ("T5",) and sum(parts.values()) <= 0.8 * 8 * GIB
-    assert parts["T5 streamed"] == SD3_ENCODERS["T5"][0] - SD3_ENCODERS["T5"][1] + 2 * SD3_ENCODERS["T5"][2]
+    assert parts["T5 streamed"] == SD3_ENCODERS["T5"][0] - SD3_ENCODERS["T5"][1] + SD3_ENCODERS["T5"][2]
 
 
 def test_a_complete_cache_never_runs_the_text_encoders(tmp_path, sd3, monkeypatch):
@@ -271,3 +296,52 @@ def test_a_complete_cache_never_runs_the_text_encoders(tmp_path, sd3, monkeypatc
     monkeypatch.setattr(SD3Components, "text_encoders_in", None)  # calling it would fail the run
     run_in_process(train_lora, argv + ["--lora_name", "again"], monkeypatch)
     assert (tmp_path / "out" / "lora" / "lora_again_sd3-tiny.safetensors").is_file()
+
+
+def test_a_grid_fits_the_room_left_in_parts_and_with_fewer_blocks_streamed():
+    from model import memory
+    from model.model_sd3light import preset_config
+
+    config, gib = preset_config("sd3.5-large"), memory.GIB
+    tokens, block = 4096 + 154, 0.2 * gib  # 1024 px; an int8 block
+    decode = memory.VAE_DECODE_VALUES * 2 * 1024 ** 2
+    assert memory.sampling_fit(config, 40 * gib, (32, block), 8, tokens, decode) == (8, 0)  # all in, all at once
+    per_forward, streamed = memory.sampling_fit(config, 3 * gib, (32, block), 8, tokens, decode)
+    assert per_forward < 8 and 0 < streamed < 32  # in parts, and some blocks brought in
+    need = memory.sampling_need(config, per_forward, tokens, decode)
+    assert need <= 3 * gib and need + (32 - streamed) * block <= 3 * gib < need + (33 - streamed) * block
+    assert memory.sampling_fit(config, 0, (32, block), 8, tokens, decode) == (1, 32)  # nothing left: one at a time
+
+
+def test_prompts_drawn_in_parts_are_the_images_drawn_at_once():
+    from eval.sampling import sample_images
+    from model.components import BuiltinComponents
+    from model.rectified_flow import Sampler
+    from model.model_sd3light import preset_config
+
+    components = BuiltinComponents(["red", "circle", "blue", "square"])
+    config = preset_config("tiny", num_layers=2)
+    model = randomise(SD3Light(config), 0).eval()
+    prompts, sampler = ["red circle", "blue square", "red square", ""], Sampler(32, 2, 2.0, 3.0, "v")
+    whole = sample_images(model, components, prompts, 5, sampler, "cpu")
+    parts = sample_images(model, components, prompts, 5, dataclasses.replace(sampler, batch=3), "cpu")
+    assert torch.allclose(whole, parts, atol=1e-5)
+
+
+def test_the_host_is_warned_before_loading_where_it_has_too_little(monkeypatch):
+    from model import memory
+    from model.model_sd3light import preset_config
+
+    config, gib = preset_config("sd3.5-large"), memory.GIB
+    plan = memory.MemoryPlan((23_000_000,), "adamw", False, "auto", 1, 1024, 38, blocks_to_swap=36)
+    monkeypatch.setattr(memory, "host_memory", lambda: 8 * gib)
+    monkeypatch.setattr(memory, "locked_memory_limit", lambda: 64 * 2 ** 10)  # docker's default
+    host, memlock = memory.swap_lines(config, plan, "bf16", torch.device("cuda"))
+    pinned, _ = memory.swap_host_bytes(config, plan, "bf16")
+    assert 14 * gib < pinned < 15 * gib  # 36 blocks of 0.40 GiB, in arenas
+    assert host.startswith(f"warning: the swapped blocks take {pinned / gib:.1f} GiB of host memory and the host "
+                           "has 8.0")
+    assert "--frozen_dtype int8" in host and "ulimit -l" in memlock
+    monkeypatch.setattr(memory, "host_memory", lambda: 64 * gib)
+    monkeypatch.setattr(memory, "locked_memory_limit", lambda: None)  # unlimited
+    assert memory.swap_lines(config, plan, "bf16", torch.device("cuda")) == []

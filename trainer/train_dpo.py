@@ -152,7 +152,8 @@ def policy(args, source, precision, info, plan, log):
     checkpointing = plan.checkpointing
     if args.lora_rank:
         model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
-        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha)
+        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, 0.0,
+                   info.device if plan.blocks_to_swap else None)  # adapters of swapped blocks drawn on the device
         if plan.blocks_to_swap:
             model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=log)
         reference = None
@@ -196,10 +197,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     # The starting weights' record and components; the pairs (and their cache, when it is on); the estimate; the
-    # policy and the frozen reference
+    # policy and the frozen reference; the token routing and the memory plan checked first (a bad value: one line)
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
-    # the token routing and the memory plan, checked now: a bad value is one line before any work
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     plan = memory_plan(args, config)
     rounds = pair_rounds(args, source, precision.autocast)

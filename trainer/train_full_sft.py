@@ -144,19 +144,10 @@ def main(argv=None):
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"starting from {source['manifest']} (step {source['step']}, predicts {prediction})")
 
-    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains, with AdamW (fused, or 8-bit: 2 bytes
-    # of state a parameter instead of 8; bf16 weights: updates rounded stochastically), or with one AdamW per
-    # parameter stepped in backward (--step_in_backward 1); the EMA starts at the weights
+    # DDP, or FSDP shards (--fsdp 1) before the optimizer; every weight trains (optimizers_for); the EMA starts at
+    # the weights
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    rounding = ("stochastic" if args.stochastic_rounding else "nearest") if args.trained_dtype == "bf16" else None
-    eight_bit = args.optimizer == "adamw8bit"
-    fused = StepInBackward(model.parameters(), args.learning_rate, args.weight_decay, eight_bit, rounding,
-                           args.grad_clip) if args.step_in_backward else None
-    optimizers = fused.optimizers if fused else [adamw(model.parameters(), args.learning_rate, args.weight_decay,
-                                                       eight_bit, rounding)]
-    if plan.blocks_to_swap:  # the first blocks stream from host memory, stepped in backward while on the device
-        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, fused.optimizer_of,
-                                     metrics.log)
+    optimizers, fused = optimizers_for(args, model, plan.blocks_to_swap, info, metrics.log)
     ema = EMA(model, args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
@@ -173,6 +164,22 @@ def main(argv=None):
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
     return train(args, info, position, data, learner, out, fused)
+
+
+def optimizers_for(args, model, swapped, info, log):
+    """What steps every weight -> (the optimizers, the StepInBackward that steps them in backward, or None): AdamW
+    (fused, or 8-bit: 2 bytes of state a parameter instead of 8; bf16 weights: updates rounded stochastically), or
+    one AdamW per parameter stepped in backward (--step_in_backward 1), the first `swapped` blocks then streamed from
+    host memory, each stepped while it is on the device (model/block_swap.py)."""
+    rounding = ("stochastic" if args.stochastic_rounding else "nearest") if args.trained_dtype == "bf16" else None
+    eight_bit = args.optimizer == "adamw8bit"
+    if not args.step_in_backward:
+        return [adamw(model.parameters(), args.learning_rate, args.weight_decay, eight_bit, rounding)], None
+    fused = StepInBackward(model.parameters(), args.learning_rate, args.weight_decay, eight_bit, rounding,
+                           args.grad_clip)
+    if swapped:
+        model.block_swap = BlockSwap(model.transformer_blocks, swapped, info.device, fused.optimizer_of, log)
+    return fused.optimizers, fused
 
 
 def outputs(args, info, position, learner, metrics, source, precision):

@@ -164,11 +164,7 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
-    model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
-    apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    model.gradient_checkpointing = plan.checkpointing
-    if plan.blocks_to_swap:  # the first blocks' weights stream from host memory, one block ahead of their use
-        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=metrics.log)
+    model = adapted_base(args, source, precision, info, plan, metrics.log)
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
@@ -194,6 +190,19 @@ def main(argv=None):
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
     return train(args, info, position, data, learner, out)
+
+
+def adapted_base(args, source, precision, info, plan, log):
+    """The frozen base weights (in --frozen_dtype) with adapters on them, recomputing the blocks `plan` says in
+    backward, and its first blocks' weights streamed from host memory where it swaps them, one block ahead of their
+    use (model/block_swap.py; the adapters of those blocks drawn on the device all the same)."""
+    model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
+    apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout,
+               info.device if plan.blocks_to_swap else None)
+    model.gradient_checkpointing = plan.checkpointing
+    if plan.blocks_to_swap:
+        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=log)
+    return model
 
 
 def outputs(args, info, position, learner, metrics, source, precision):

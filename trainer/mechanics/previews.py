@@ -69,9 +69,9 @@ class Previews:
             return
         side = self.sampler.resolution // self.components.downscale
         tokens = (side // model.config.patch_size) ** 2 + text_tokens(self.components)
-        decode = VAE_DECODE_VALUES * 2 * self.sampler.resolution ** 2
-        per_forward, streamed = sampling_fit(model.config, sampling_room(self.info.device),
-                                             (swap.count, swap.block_bytes()), prompts, tokens,
+        decode = VAE_DECODE_VALUES * 2 * self.sampler.resolution ** 2 if self.components.spec["kind"] == "sd3" else 0
+        room = sampling_room(self.info.device) - swap.buffers_needed()  # (the first grid: before any step made them)
+        per_forward, streamed = sampling_fit(model.config, room, (swap.count, swap.block_bytes()), prompts, tokens,
                                              decode)
         with swap.streaming(streamed):
             yield replace(self.sampler, batch=per_forward), \
