@@ -69,11 +69,12 @@ def measure(op, side, dtype):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"])
+    parser.add_argument("--ops", nargs="+", default=["encode", "decode", "block"], choices=["encode", "decode", "block"])
     args = parser.parse_args(argv)
     print("| op | px | dtype | peak above weights and input | values a pixel (VAE) or a token and unit of width |")
     print("|---|---|---|---|---|")
-    for op in ("encode", "decode", "block"):
+    for op in args.ops:
         for dtype in args.dtypes:
             for side in args.resolutions:
                 peak, size = measure(op, side, dtype), torch.finfo(getattr(torch, dtype)).bits // 8

@@ -396,10 +396,11 @@ def describe(parts, available, where):
 
 
 # What a forward without gradients holds at its peak beyond its weights (bench/bench_inference_memory.py, fp32 on a
-# CPU at 512 px): values per token and unit of width in one transformer block, and per pixel in SD3's VAE
+# CPU, the larger of 512 and 1024 px, rounded up): values per token and unit of width in one transformer block
+# (measured 10.7 and 11.4), and per pixel in SD3's VAE (decode 994 and 960; encode 640 at 512 px)
 INFERENCE_WORDS = 12
-VAE_DECODE_VALUES = 964
-VAE_ENCODE_VALUES = 640
+VAE_DECODE_VALUES = 994
+VAE_ENCODE_VALUES = 641
 
 
 def sampling_fit(config, room, swapped, prompts, tokens, decode_bytes):
