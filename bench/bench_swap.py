@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -70,8 +71,8 @@ def found(pattern, log, default="?"):
 
 
 def seconds_a_step(rows, global_batch):
-    """The median of the steps after the first two (compiling, allocating)."""
-    rates = [row["images_per_s"] for row in rows[2:] if row.get("images_per_s")]
+    """The median of the steps after the first two (compiling, allocating), or of all where there are no more."""
+    rates = [row["images_per_s"] for row in rows[2:] or rows if row.get("images_per_s")]
     return global_batch / statistics.median(rates) if rates else float("nan")
 
 
@@ -79,7 +80,8 @@ def measure(comment, words, args):
     """The capped run, then the uncapped one with its recomputation -> one table row."""
     card = int(re.findall(r"(\d+) GB card", comment)[0]) * 2 ** 30
     flags = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_interval", "0",
-             "--sample_steps", "2", "--sample_prompts", args.prompts, "--save_interval", str(10 ** 6)]
+             "--sample_steps", "2", "--sample_prompts", args.prompts, "--save_interval", str(10 ** 6),
+             *shlex.split(args.extra)]
     base = os.path.join(args.work, re.sub(r"\W+", "_", comment)[:60])
     started = time.time()
     code, log, capped = run([*words, *flags], card, os.path.join(base, "capped"), args.timeout)
@@ -110,6 +112,8 @@ def main(argv=None):
     parser.add_argument("--only", nargs="+", default=list(DEFAULT_ONLY), help="commands whose comment holds this")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--resolution", type=int, default=1024, help="(a CPU dry run of this script: 64)")
+    parser.add_argument("--extra", default="", help="flags added to each command (a CPU dry run: --frozen_dtype fp32, "
+                        "which a CPU without native bf16 computes many times faster)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds a run may take")
     args = parser.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
