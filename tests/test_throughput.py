@@ -1,8 +1,10 @@
 """The operations a training step dispatches, bench/bench_throughput.py's count: on a GPU each costs the host
 microseconds, and at batch 1 the host, not the GPU, set the pace. The LoRA step of the SD3.5-Medium structure
 dispatched 28,192 of them with every block recomputed in backward and 17,971 without, before the hand-written
-LoRA layers and --gradient_checkpointing auto (BENCHMARKS.md, "Fast on the GPU"); they must not grow back."""
+LoRA layers and --gradient_checkpointing auto (BENCHMARKS.md, "Fast on the GPU"); they must not grow back. And the
+host's reads of tensor values, bench/bench_host_reads.py's counter (the proxy for a GPU's syncs)."""
 import pytest
+import torch
 
 from bench.bench_throughput import CONFIGS, measure
 
@@ -14,3 +16,24 @@ def test_the_lora_step_dispatches_at_most_half_the_operations_it_did():
     assert plain["ops_per_step"] <= 28_192 // 2
     everything = measure(CONFIGS["lora_b1_all"], 64, 1, 64)
     assert everything["recomputed"] == 24 and everything["ops_per_step"] <= 20_000  # 19,663 at this change
+
+
+def test_the_host_reads_counter_counts_each_read_of_a_tensor_value_by_step_and_line():
+    from bench.bench_host_reads import HostReads, wrap
+
+    counter, originals = HostReads(), {name: getattr(torch.Tensor, name) for name in ("tolist", "backward")}
+    try:
+        wrap(counter, "tolist")
+        wrap(counter, "backward", new_step=True)
+        x = torch.ones(3, requires_grad=True)
+        with counter:
+            (x * 2).sum().backward()  # a step: no read
+            loss = (x * 3).sum()
+            loss.backward()
+            float(loss), loss.item(), bool(loss > 0), loss.detach().tolist()  # four reads in this step
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    assert [len(step) for step in counter.steps] == [0, 0, 4]
+    assert all(where.startswith("tests/test_throughput.py:") for where in counter.steps[2])
+    assert sum(counter.lines.values()) == 4 and any("Tensor.tolist" in where for where in counter.lines)
