@@ -11,7 +11,8 @@ A row: seconds a step (the median after the warm-up steps, synchronised), images
 without recompute / the card's dense bf16 peak, model/flops.py) and HFU (with it), peak memory allocated and
 reserved (torch.cuda), the share of the step the GPU is busy (kernel time over wall time, torch.profiler), and
 the aten operations one step dispatches (forward, loss, backward, clipping, the optimizer step; a
-TorchDispatchMode counts them). Each operation costs the host microseconds; at batch 1 on a large GPU the kernels
+TorchDispatchMode counts them), and the optimizer's step alone: its seconds and its calls (one for fused AdamW,
+one compiled call a parameter tensor for torchao's). Each operation costs the host microseconds; at batch 1 on a large GPU the kernels
 finish sooner than the host launches them, so fewer operations is what makes the GPU the bottleneck there.
 
 On a CPU the same configurations run at the preset's structure (its 24 blocks, 13 with dual attention, qk norms)
@@ -168,6 +169,14 @@ def train_step(model, params, optimizer, inputs, route, count=None):
     """One step as the stages take it: the flow-matching loss under bf16 autocast, backward, clipping, the
     optimizer's step -> the loss (a tensor: nothing waits for the GPU here). `count` (OperationCount): counts the
     operations of all but the optimizer's step, which torchao compiles whole (a dispatch mode would stop it)."""
+    loss = gradients(model, params, inputs, route, count)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def gradients(model, params, inputs, route, count=None):
+    """The step up to the optimizer's: the loss, backward, clipping -> the loss, detached."""
     latents, text, pooled, s, noise = inputs
     with count or contextlib.nullcontext():
         with torch.autocast(latents.device.type, dtype=torch.bfloat16):
@@ -175,9 +184,23 @@ def train_step(model, params, optimizer, inputs, route, count=None):
         loss = flow_loss(pred, latents, noise, s)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def optimizer_seconds(model, params, optimizer, inputs, route, sync):
+    """The optimizer's step alone, timed after each input's gradients -> (median seconds, the calls it makes: one
+    for fused AdamW, one compiled call a parameter tensor for torchao's)."""
+    times = []
+    for batch in inputs:
+        gradients(model, params, batch, route)
+        sync()
+        started = time.perf_counter()
+        optimizer.step()
+        sync()
+        times.append(time.perf_counter() - started)
+        optimizer.zero_grad(set_to_none=True)
+    fused = isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
+    return statistics.median(times), 1 if fused else len(params)
 
 
 def measure(settings, resolution, steps, cpu_width):
@@ -193,7 +216,7 @@ def measure(settings, resolution, steps, cpu_width):
     optimizer = optimizer_for(settings, params)
     routing = TokenRouting.for_model(config, settings.route, 2, -2) if settings.route else TokenRouting()
     generator = torch.Generator().manual_seed(1)
-    inputs = step_inputs(config, settings.batch, resolution, device, steps + 2)
+    inputs = step_inputs(config, settings.batch, resolution, device, steps + 5)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for batch in inputs[:steps]:
@@ -206,6 +229,8 @@ def measure(settings, resolution, steps, cpu_width):
     train_step(model, params, optimizer, inputs[steps], routing.draw(inputs[steps][0], generator), counted)
     busy, kernels = (None, None) if device.type != "cuda" else \
         gpu_busy(model, params, optimizer, inputs[steps + 1], routing.draw(inputs[steps + 1][0], generator))
+    optimizer_s, optimizer_calls = optimizer_seconds(model, params, optimizer, inputs[steps + 2:],
+                                                     routing.draw(inputs[steps + 2][0], generator), sync)
     seconds = statistics.median(times[2:] if len(times) > 3 else times[1:] or times)  # after the warm-up
     side = resolution // DOWNSCALE
     lora = (RANK, resolve_targets("attention")) if settings.step != "sft" else None
@@ -217,7 +242,8 @@ def measure(settings, resolution, steps, cpu_width):
            else config.num_layers if blocks else 0, "s_per_step": seconds, "images_per_s": settings.batch / seconds,
            "mfu": flops.model / seconds / peak, "hfu": (flops.model + flops.recompute) / seconds / peak,
            "ops_per_step": None if settings.compile else sum(counted.counts.values()),
-           "top_ops": counted.counts.most_common(8), "busy": busy, "kernels_per_step": kernels}
+           "top_ops": counted.counts.most_common(8), "busy": busy, "kernels_per_step": kernels,
+           "optimizer_s": optimizer_s, "optimizer_calls": optimizer_calls}
     if device.type == "cuda":
         row.update(allocated_gib=torch.cuda.max_memory_allocated() / GIB,
                    reserved_gib=torch.cuda.max_memory_reserved() / GIB)
@@ -241,7 +267,7 @@ def gpu_busy(model, params, optimizer, inputs, route):
 
 def table(rows):
     head = (f"{'config':<30} {'s/step':>8} {'img/s':>7} {'MFU':>6} {'HFU':>6} {'recomp':>6} {'ops/step':>9} "
-            f"{'kernels':>8} {'alloc':>6} {'resv':>6} {'busy':>5}")
+            f"{'kernels':>8} {'alloc':>6} {'resv':>6} {'busy':>5} {'optim s':>8} {'calls':>5}")
     lines = [head]
     for r in rows:
         if "error" in r:
@@ -253,7 +279,8 @@ def table(rows):
         mfu = f"{r['mfu']:6.1%} {r['hfu']:6.1%}" if gpu else f"{'-':>6} {'-':>6}"  # a CPU's width-64 model: no
         ops = f"{r['ops_per_step']:>9,}" if r["ops_per_step"] is not None else f"{'-':>9}"
         lines.append(f"{r['config']:<30} {r['s_per_step']:8.3f} {r['images_per_s']:7.2f} {mfu} "
-                     f"{r['recomputed']:>6} {ops} {kernels} {memory} {busy}")
+                     f"{r['recomputed']:>6} {ops} {kernels} {memory} {busy} {r['optimizer_s']:8.3f} "
+                     f"{r['optimizer_calls']:>5}")
     return "\n".join(lines)
 
 
