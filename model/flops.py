@@ -168,12 +168,13 @@ def training_flops_per_sample(config, height, width, text_len):
 
 
 @functools.cache
-def measured_peak(device, dtype, threads, repeats=3, budget=1.0):
+def measured_peak(device, dtype, threads, repeats=3, budget=0.2):
     """FLOP/s of the best of `repeats` square matrix products in `dtype` on `threads` CPU threads: a CPU's (or an
     unlisted GPU's) peak, measured once per process. The side doubles from 512 up to 2048 (4096 on a GPU) while a
     product of the next size would take under `budget` seconds, and the products stop once `budget` is spent:
     where the dtype is emulated (bf16 on a CPU without AVX-512 BF16 runs some 50x slower than fp32) a 2048-wide
-    product takes 15 s, and a 512-wide one reads the same rate."""
+    product takes 15 s, and a 512-wide one reads the same rate. A fifth of a second: every run pays it at its
+    start, and on this 2-core CPU a 1024-wide fp32 product reads within 10% of a 2048-wide one (BENCHMARKS)."""
     size, largest = 256, 4096 if device.type == "cuda" else 2048
     best = 0.0
     while size < largest and 8 * best < budget:
