@@ -76,15 +76,13 @@ def seconds_a_step(rows, global_batch):
     return global_batch / statistics.median(rates) if rates else float("nan")
 
 
-def measure(comment, words, args):
-    """The capped run, then the uncapped one with its recomputation -> one table row."""
+def measure(comment, words, flags, work, timeout):
+    """The capped run of `words` plus `flags` (the card in `comment`), then the uncapped one with its
+    recomputation, in folders of `work` -> one table row."""
     card = int(re.findall(r"(\d+) GB card", comment)[0]) * 2 ** 30
-    flags = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_interval", "0",
-             "--sample_steps", "2", "--sample_prompts", args.prompts, "--save_interval", str(10 ** 6),
-             *shlex.split(args.extra)]
-    base = os.path.join(args.work, re.sub(r"\W+", "_", comment)[:60])
+    base = os.path.join(work, re.sub(r"\W+", "_", comment)[:60])
     started = time.time()
-    code, log, capped = run([*words, *flags], card, os.path.join(base, "capped"), args.timeout)
+    code, log, capped = run([*words, *flags], card, os.path.join(base, "capped"), timeout)
     estimate = found(r"memory estimate per process: ([\d.]+) GiB", log)
     swapped = found(r"blocks swapped to host memory: (\d+) of", log, "0")
     recomputed = found(r"blocks recomputed in backward: (\d+) of", log)
@@ -96,7 +94,7 @@ def measure(comment, words, args):
            "capped_wall_s": round(time.time() - started)}
     if code == 0 and recomputed != "?":
         code, _, uncapped = run([*words, *flags, "--blocks_to_swap", "0", "--gradient_checkpointing", recomputed], 0,
-                                os.path.join(base, "uncapped"), args.timeout)
+                                os.path.join(base, "uncapped"), timeout)
         row.update(uncapped_exit=code, uncapped_s_step=seconds_a_step(uncapped, batch),
                    same_losses=[r["loss"] for r in capped] == [r["loss"] for r in uncapped],
                    losses=[r["loss"] for r in capped][:5])
@@ -125,12 +123,15 @@ def main(argv=None):
         write_stand_in(folder, preset)
     data = os.path.join(args.work, "images")
     write_images(data, count=8, size=max(args.resolution, 64))
-    args.prompts = os.path.join(args.work, "prompts.txt")
-    with open(args.prompts, "w", encoding="utf-8") as f:
+    prompts = os.path.join(args.work, "prompts.txt")
+    with open(prompts, "w", encoding="utf-8") as f:
         f.write("a photo\n")
+    flags = ["--resolution", str(args.resolution), "--max_steps", str(args.steps), "--sample_interval", "0",
+             "--sample_steps", "2", "--sample_prompts", prompts, "--save_interval", str(10 ** 6),
+             *shlex.split(args.extra)]
     for comment, words in commands:
         words = with_folder(words, folders, data)
-        print(json.dumps(measure(comment, words, args)), flush=True)
+        print(json.dumps(measure(comment, words, flags, args.work, args.timeout)), flush=True)
 
 
 if __name__ == "__main__":

@@ -312,17 +312,17 @@ class BlockSwap:
 
     # -- what the blocks' hooks and autograd's nodes call
 
-    def before_forward(self, index, module, args):
+    def before_forward(self, index, module, inputs):
         if index in self.held:  # its recompute in backward: the weights are in; its input needs a gradient as it
             # did the first time (the recompute must save what that forward saved), the node does nothing
-            return wrapped(AfterBackward, args, self, None, self.anchor)
+            return wrapped(AfterBackward, inputs, self, None, self.anchor)
         if index in self.kept:
             return None
         self.bring(index, state=False)
         self.prefetch(index + 1, state=False)
-        return wrapped(AfterBackward, args, self, index, self.anchor) if torch.is_grad_enabled() else None
+        return wrapped(AfterBackward, inputs, self, index, self.anchor) if torch.is_grad_enabled() else None
 
-    def after_forward(self, index, module, args, output):
+    def after_forward(self, index, module, inputs, output):
         if index < self.count:
             if index in self.held or index in self.kept:
                 return None
