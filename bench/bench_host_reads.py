@@ -24,7 +24,6 @@ import os
 import runpy
 import subprocess
 import sys
-import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,10 +38,12 @@ RUNS = {"lora": ("trainer/train_lora.py", []),
 
 def caller():
     """The innermost frame of this repository's code (not this file's) that led here: 'path:line'."""
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        path = os.path.abspath(frame.filename)
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(REPO + os.sep) and path != os.path.abspath(__file__):
-            return f"{os.path.relpath(path, REPO)}:{frame.lineno}"
+            return f"{os.path.relpath(path, REPO)}:{frame.f_lineno}"
+        frame = frame.f_back
     return "(outside the repository)"
 
 

@@ -380,6 +380,6 @@ def encoded_prompts(cache_dir, prompts, components):
             return kept["tokens"], kept["pooled"]
         except (OSError, ValueError, KeyError, RuntimeError):  # damaged: encoded again below
             pass
-    tokens, pooled = components.condition(components.encode_text(prompts))
+    tokens, pooled = components.encode_prompts(prompts)
     write_safetensors(path, {"tokens": tokens.cpu().contiguous(), "pooled": pooled.cpu().contiguous()})
     return tokens, pooled

@@ -298,6 +298,8 @@ class BlockSwap:
         self.host = HostMemory(self.device.type == "cuda", log)
         with torch.no_grad():
             self.host.home(self.slots)
+        # blocks of the same shape share buffers: the shapes and dtypes of their weights, fixed once homed
+        self.shapes = [tuple((tuple(p.shape), p.dtype) for slot in slots for p in slot.home) for slots in self.slots]
         self.state_home = {}  # (parameter, key) -> the slot of its optimizer state
         self.pools, self.buffers_made = {}, 0  # shape of a block -> free buffers
         self.loaded, self.held, self.kept = {}, set(), set()  # loaded: block -> (buffer, state slots, copied)
@@ -451,8 +453,8 @@ class BlockSwap:
     # -- buffers
 
     def shape_of(self, index):
-        """Blocks of the same shape share buffers: the shapes and dtypes of their weights."""
-        return tuple((tuple(p.shape), p.dtype) for slot in self.slots[index] for p in slot.home)
+        """The pool of buffers block `index` takes from: its weights' shapes and dtypes."""
+        return self.shapes[index]
 
     def take(self, shape, nbytes):
         """A free buffer of `shape`'s pool with room for `nbytes`, or a new one."""

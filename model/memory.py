@@ -199,11 +199,11 @@ def fitted_plan(config, plan, memory_bytes, holding, latent, value_bytes):
     frozen_dtype, shards, components_bytes, device_type = holding
     counts = [plan.blocks_to_swap] if plan.blocks_to_swap != "auto" else \
         range(config.num_layers + 1) if device_type == "cuda" else [0]
-    model = meta_model(config)
+    shapes = block_shapes(meta_model(config))
     base = estimate(config, replace(plan, blocks_to_swap=0), frozen_dtype, shards, 0, components_bytes, device_type)
     for count in counts:
         candidate = replace(plan, blocks_to_swap=count)
-        parts = with_swap(base, candidate, frozen_dtype, swap_sizes(block_shapes(model), count)) if count else base
+        parts = with_swap(base, candidate, frozen_dtype, swap_sizes(shapes, count)) if count else base
         room = activation_room(parts, memory_bytes)
         if plan.checkpointing == "auto":
             recomputed = fewest_recomputed(config, candidate, room, latent, value_bytes, at_least=count)
@@ -379,16 +379,17 @@ def levers(plan, shards):
     return [(name, with_it, n) for name, with_it, n in options if with_it != plan or n != shards]
 
 
-def describe(parts, available, where):
-    """The log line, and the warning line where the total exceeds what the device has (or None)."""
+def describe(parts, available, where, label="memory estimate per process", levers=LEVERS):
+    """The log line (`label`: what is estimated), and the warning line naming `levers` where the total exceeds
+    what the device has (or None)."""
     total = sum(parts.values())
     shown = ", ".join(f"{name} {value / GIB:.2f}" for name, value in parts.items() if value)
     size = "unknown size" if math.isinf(available) else f"{available / GIB:.0f} GiB"
-    line = f"memory estimate per process: {total / GIB:.1f} GiB ({shown} GiB) on {where} of {size}"
+    line = f"{label}: {total / GIB:.1f} GiB ({shown} GiB) on {where} of {size}"
     if total <= available:
         return line, None
     return line, (f"warning: the estimate ({total / GIB:.1f} GiB) exceeds the {available / GIB:.0f} GiB of {where}; "
-                  f"levers: {', '.join(LEVERS)}")
+                  f"levers: {', '.join(levers)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -469,10 +470,10 @@ def fit_cache_build(encoders, batch, resolution, device, log):
     available = device_memory(device)
     streamed, parts = cache_build_plan(encoders, batch, resolution, available, device.type)
     line, warning = describe(parts, available, "this GPU's free memory" if device.type == "cuda" else
-                             "this machine's RAM")
-    log(line.replace("memory estimate per process", "the VAE and text encoders at work (the cache, validation "
-                     "images, prompts): memory estimate") + f"; {batch} image(s) at a time (--encode_batch_size) at "
-        f"{resolution} px" + (f"; {', '.join(streamed)} streamed by layer from host memory" if streamed else ""))
+                             "this machine's RAM", "the VAE and text encoders at work (the cache, validation images, "
+                             "prompts): memory estimate", ("--encode_batch_size 1", "a lower --resolution"))
+    log(line + f"; {batch} image(s) at a time (--encode_batch_size) at {resolution} px" +
+        (f"; {', '.join(streamed)} streamed by layer from host memory" if streamed else ""))
     if warning:
-        log(warning.split("; levers")[0] + "; levers: --encode_batch_size 1, a lower --resolution")
+        log(warning)
     return streamed

@@ -337,8 +337,8 @@ def train(args, info, position, data, learner, out, rounds):
                 metrics.plot(position.step, last=position.finished or stopping)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):
-                path = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({out.previews.drawn})")
+                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
+                log(f"sample grid: {path} ({took})")
     finish_run(out, learner.components, info, stopping, stop.received)
     return position.step
 

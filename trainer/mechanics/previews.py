@@ -23,7 +23,6 @@ class Previews:
     def __init__(self, model, ema, components, sampler, seed, info, stem):
         self.model, self.ema, self.components, self.sampler = model, ema, components, sampler
         self.seed, self.info, self.stem = seed, info, stem
-        self.drawn = ""  # how the last grid went: its seconds (grid)
         if info.is_main:
             remove_leftovers(stem)
 
@@ -44,19 +43,19 @@ class Previews:
         return sum(losses.values()) / len(losses)
 
     def grid(self, step, prompts):
-        """The prompts with fixed noise, into <stem>_stepNNNNNN.png -> its path (None on the ranks that do not
-        write); `drawn` says how long it took (and, with blocks swapped, how it fitted the card)."""
+        """The prompts with fixed noise, into <stem>_stepNNNNNN.png -> (its path, None on the ranks that do not
+        write; how long it took and, with blocks swapped, how it fitted the card)."""
         if not (self.info.is_main or self.info.sharded):
-            return None
+            return None, ""
         started = time.perf_counter()
         with self.exported_model() as model, self.fitted(model, len(prompts)) as (sampler, how):
             images = sample_images(model, self.components, prompts, self.seed, sampler, self.info.device)
-        self.drawn = f"{time.perf_counter() - started:.1f} s{how}"
+        took = f"{time.perf_counter() - started:.1f} s{how}"
         if not self.info.is_main:
-            return None
+            return None, took
         path = f"{self.stem}_step{step:06d}.png"
         save_grid(path, images, prompts)
-        return path
+        return path, took
 
     @contextlib.contextmanager
     def fitted(self, model, prompts):
@@ -82,7 +81,8 @@ def step_zero(previews, metrics, data):
     """A fresh run's step 0, for a stage that starts from trained weights: their grid, and their validation loss as
     the metrics' first row (what the run must improve on). `data`: the run's StageData (its prompts, its validation
     images encoded)."""
-    metrics.log(f"sample grid: {previews.grid(0, data.prompts)} ({previews.drawn})")
+    path, took = previews.grid(0, data.prompts)
+    metrics.log(f"sample grid: {path} ({took})")
     if data.validation:
         metrics.write_row({"step": 0, "epoch": 0, "val_loss": previews.validation_loss(data.validation),
                            "samples_seen": 0})
