@@ -34,8 +34,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model.block_swap import BlockSwap, swap_request  # noqa: E402
-from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, resolve_targets  # noqa: E402
+from model.block_swap import swap_request  # noqa: E402
+from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, resolve_targets  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
@@ -52,9 +52,10 @@ from trainer.preference import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
-    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
-    load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main, run_precision,
-    set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data, write_export,
+    adapted_frozen, adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main,
+    run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data,
+    write_export,
 )
 
 
@@ -151,11 +152,8 @@ def policy(args, source, precision, info, plan, log):
     backward."""
     checkpointing = plan.checkpointing
     if args.lora_rank:
-        model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
-        apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, 0.0,
-                   info.device if plan.blocks_to_swap else None)  # adapters of swapped blocks drawn on the device
-        if plan.blocks_to_swap:
-            model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=log)
+        model = adapted_frozen(source, precision.frozen, info, plan.blocks_to_swap,
+                               (args.lora_targets, args.lora_rank, args.lora_alpha, 0.0), log)
         reference = None
     else:
         model, reference = (load_network(source, role, precision.frozen, info) for role in ("trained", "frozen"))

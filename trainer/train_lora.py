@@ -29,9 +29,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from model.block_swap import BlockSwap, swap_request  # noqa: E402
+from model.block_swap import swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
-    TARGET_GROUPS, LoRAExport, LoRAWeights, apply_lora, lora_layers, resolve_targets,
+    TARGET_GROUPS, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
@@ -43,10 +43,10 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw, adapter_count, checkpoint_stem,
-    data_parallel, find_resume, finish_run, fit_memory, init_distributed, load_network, log_peak, lr_at, mean_and_any,
-    resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero,
-    sync_gradients, to_item, torch_dtype, training_dataset, write_export,
+    Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen, adapter_count,
+    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak, lr_at,
+    mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source,
+    step_zero, sync_gradients, to_item, torch_dtype, training_dataset, write_export,
 )
 
 
@@ -164,7 +164,9 @@ def main(argv=None):
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
-    model = adapted_base(args, source, precision, info, plan, metrics.log)
+    model = adapted_frozen(source, precision.frozen, info, plan.blocks_to_swap,
+                           (args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout), metrics.log)
+    model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
@@ -190,19 +192,6 @@ def main(argv=None):
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
     return train(args, info, position, data, learner, out)
-
-
-def adapted_base(args, source, precision, info, plan, log):
-    """The frozen base weights (in --frozen_dtype) with adapters on them, recomputing the blocks `plan` says in
-    backward, and its first blocks' weights streamed from host memory where it swaps them, one block ahead of their
-    use (model/block_swap.py; the adapters of those blocks drawn on the device all the same)."""
-    model = load_network(source, "frozen", precision.frozen, info, swapped=plan.blocks_to_swap)
-    apply_lora(model, args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout,
-               info.device if plan.blocks_to_swap else None)
-    model.gradient_checkpointing = plan.checkpointing
-    if plan.blocks_to_swap:
-        model.block_swap = BlockSwap(model.transformer_blocks, plan.blocks_to_swap, info.device, log=log)
-    return model
 
 
 def outputs(args, info, position, learner, metrics, source, precision):

@@ -33,6 +33,7 @@ from dataset.training_data import (
 )
 from dataset.shapes import GRAMMAR_WORDS
 from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
+from model.block_swap import BlockSwap
 from model.errors import UserError, run_main
 from model.memory import MemoryPlan, fit_memory, peak_rss
 from model.model_lora import apply_lora, is_lora_file
@@ -183,6 +184,18 @@ def load_network(source, role, frozen_dtype, info, trained_dtype="fp32", swapped
     return load_transformer(source, torch_dtype(frozen_dtype if frozen else trained_dtype), info.load_device,
                             meta=info.sharded and not info.is_main, after_block=int8_weights if int8 else None,
                             frozen=frozen, host_blocks=swapped)
+
+
+def adapted_frozen(source, frozen_dtype, info, swapped, adapters, log):
+    """The frozen transformer of `source` (load_network's) with LoRA `adapters` (targets, rank, alpha, dropout) on
+    it; its first `swapped` blocks' weights in host memory, streamed to the device one block ahead of their use
+    (model/block_swap.py), the adapters of those blocks drawn on the device all the same. `log`: where block
+    swap's warning goes."""
+    model = load_network(source, "frozen", frozen_dtype, info, swapped=swapped)
+    apply_lora(model, *adapters, info.device if swapped else None)
+    if swapped:
+        model.block_swap = BlockSwap(model.transformer_blocks, swapped, info.device, log=log)
+    return model
 
 
 def adapter_count(config, targets, rank, alpha):
