@@ -2,16 +2,16 @@
 float, a finiteness check in an `if`, a tensor's tolist) in each step of a real run, and the lines that make them.
 
     python bench/bench_host_reads.py --work /tmp/reads               # LoRA, the full fine-tune, it stepped in backward
-    python bench/bench_host_reads.py --work /tmp/reads --steps 8 --only lora
+    python bench/bench_host_reads.py --work /tmp/reads --steps 8 --only lora --log_interval 4
 
 On a GPU each such read waits for every kernel queued before it, so a loop that reads once a step cannot run ahead
 of the device, and a CUDA graph cannot hold the step. On a CPU nothing waits, but the reads are the same calls:
 they are counted here, on the tiny default runs (the main job's weights first, a few steps, then each stage from
 them), as the proxy for the GPU's syncs.
 
-A read is counted where it reaches the dispatcher (aten._local_scalar_dense: item(), float(), int(), bool() of a
-tensor; aten.is_nonzero) and where it does not (Tensor.tolist and Tensor.numpy, wrapped); on a GPU a copy of a
-device tensor to the CPU (`.cpu()`) too, which a CPU run cannot see. The steps are told apart by their backward
+A read is counted where it reaches the dispatcher (aten._local_scalar_dense, aten.is_nonzero) and at the Tensor
+methods that read (tolist and numpy, which do not reach it; item, bool, float and int, which do: counted once,
+there); on a GPU a copy of a device tensor to the CPU (`.cpu()`) too, which a CPU run cannot see. The steps are told apart by their backward
 (each step here has one micro-batch): the reads from one backward's start to the next are one step's, the next
 step's forward included. Code that torch.compile runs whole (torchao's 8-bit AdamW, `--compile 1`) does not
 run under a dispatch mode: those runs are not counted here. Each stage script runs in a child process of this one (runpy), so bench/ imports nothing
@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 READ_OPS = ("aten._local_scalar_dense", "aten.is_nonzero")
+# the Tensor methods that read, wrapped: tolist and numpy do not reach the dispatcher; the others do, and are named
+WRAPPED = ("tolist", "numpy", "item", "__bool__", "__float__", "__int__")
 # (label, script, extra arguments): each from the main job's weights in the same out folder
 RUNS = {"lora": ("trainer/train_lora.py", []),
         "full_sft": ("trainer/train_full_sft.py", []),
@@ -52,7 +54,7 @@ class HostReads(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.steps, self.lines = [[]], collections.Counter()
+        self.steps, self.lines, self.wrapped = [[]], collections.Counter(), 0
 
     def read(self, kind):
         where = f"{caller()} ({kind})"
@@ -64,6 +66,8 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name, kwargs = str(func.overloadpacket), kwargs or {}
+        if self.wrapped:  # inside a wrapped Tensor method, counted there
+            return func(*args, **kwargs)
         if name in READ_OPS or name == "aten._to_copy" and to_host(args[0], kwargs.get("device")):
             self.read(name)
         return func(*args, **kwargs)
@@ -79,8 +83,16 @@ def wrap(counter, name, new_step=False):
     original = getattr(torch.Tensor, name)
 
     def counted(self, *args, **kwargs):
-        counter.new_step() if new_step else counter.read(f"Tensor.{name}")
-        return original(self, *args, **kwargs)
+        if new_step:
+            counter.new_step()
+            return original(self, *args, **kwargs)
+        if not counter.wrapped:
+            counter.read(f"Tensor.{name}")
+        counter.wrapped += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            counter.wrapped -= 1
 
     setattr(torch.Tensor, name, counted)
 
@@ -88,7 +100,7 @@ def wrap(counter, name, new_step=False):
 def counted_run(script, argv):
     """Run `script` with `argv` in this process with the reads counted -> {"steps": reads a step, "lines": ...}."""
     counter = HostReads()
-    for name in ("tolist", "numpy"):
+    for name in WRAPPED:
         wrap(counter, name)
     wrap(counter, "backward", new_step=True)
     sys.argv = [script] + argv
@@ -119,6 +131,7 @@ def main():
     parser.add_argument("--work", help="an empty folder for the runs' outputs")
     parser.add_argument("--steps", type=int, default=6, help="each stage's steps")
     parser.add_argument("--only", nargs="*", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--log_interval", type=int, default=1, help="the stages' --log_interval")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.child:
@@ -134,8 +147,8 @@ def main():
     print("|---|---|---|---|---|")
     for label in args.only:
         script, extra = RUNS[label]
-        summary = run(script, ["--max_steps", str(args.steps), "--save_dir", os.path.join(args.work, label)] +
-                      quiet + extra)
+        summary = run(script, ["--max_steps", str(args.steps), "--log_interval", str(args.log_interval),
+                               "--save_dir", os.path.join(args.work, label)] + quiet + extra)
         lines = "; ".join(f"{where} x{n}" for where, n in summary["step_lines"])
         print(f"| {label} | {summary['setup']} | {summary['steps']} | {summary['after']} | {lines} |")
 

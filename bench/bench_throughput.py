@@ -41,6 +41,7 @@ if REPO not in sys.path:
 
 from bench.bench_peers import TARGETS  # noqa: E402
 from bench.bench_peers import step_inputs as peer_inputs  # noqa: E402
+from model.flat_adamw import FlatAdamW  # noqa: E402
 from model.flops import FlopCount, peak_flops  # noqa: E402
 from model.memory import GIB, MemoryPlan, fitted_plan, kept_value_bytes  # noqa: E402
 from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
@@ -63,11 +64,12 @@ class Config:
     checkpointing: str
     route: float = 0.0
     compile: bool = False
+    flat: bool = False  # the full fine-tune's 8-bit AdamW as model/flat_adamw.FlatAdamW (the stages' now)
 
     @property
     def name(self):
         return f"{self.step}_b{self.batch}_{self.checkpointing}" + (f"_route{self.route:g}" if self.route else "") + \
-            ("_compile" if self.compile else "")
+            ("_compile" if self.compile else "") + ("_flat" if self.flat else "")
 
 
 CONFIGS = {c.name: c for c in [
@@ -77,7 +79,8 @@ CONFIGS = {c.name: c for c in [
     Config("lora", 4, "all"), Config("lora", 4, "auto"), Config("lora", 4, "auto", compile=True),
     Config("lora", 4, "auto", route=0.5, compile=True),
     Config("diffusers", 1, "all"), Config("diffusers", 1, "none"), Config("diffusers", 4, "all"),
-    Config("sft", 1, "all"), Config("sft", 1, "auto"), Config("sft", 1, "auto", compile=True),
+    Config("sft", 1, "all"), Config("sft", 1, "auto"), Config("sft", 1, "auto", flat=True),
+    Config("sft", 1, "auto", compile=True),
     Config("sft", 2, "auto", compile=True),
 ]}
 
@@ -153,6 +156,8 @@ def recomputed(settings, resolution):
 def optimizer_for(settings, params):
     """AdamW in one fused kernel for fp32 adapters; torchao's 8-bit AdamW with stochastic bf16 rounding for the
     full fine-tune's bf16 weights (the stages' choices: trainer/mechanics/optimizers.adamw)."""
+    if settings.flat:  # the same update in a few calls a step
+        return FlatAdamW(params, 1e-5, 1e-2, eight_bit=True, bf16_stochastic_round=True)
     if settings.step == "sft":
         return import_torchao("--optimizer adamw8bit").optim.AdamW8bit(params, lr=1e-5, bf16_stochastic_round=True)
     return torch.optim.AdamW(params, lr=1e-4, fused=True)
@@ -200,6 +205,8 @@ def optimizer_seconds(model, params, optimizer, inputs, route, sync):
         times.append(time.perf_counter() - started)
         optimizer.zero_grad(set_to_none=True)
     fused = isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
+    if isinstance(optimizer, FlatAdamW):  # each chunk: two copies in, the compiled update, a copy back
+        return statistics.median(times), sum(4 * -(-g.moments[0].shape[0] // g.chunk) for g in optimizer.groups)
     return statistics.median(times), 1 if fused else len(params)
 
 

@@ -3,6 +3,8 @@ microseconds, and at batch 1 the host, not the GPU, set the pace. The LoRA step 
 dispatched 28,192 of them with every block recomputed in backward and 17,971 without, before the hand-written
 LoRA layers and --gradient_checkpointing auto (BENCHMARKS.md, "Fast on the GPU"); they must not grow back. And the
 host's reads of tensor values, bench/bench_host_reads.py's counter (the proxy for a GPU's syncs)."""
+import os
+
 import pytest
 import torch
 
@@ -37,3 +39,19 @@ def test_the_host_reads_counter_counts_each_read_of_a_tensor_value_by_step_and_l
     assert [len(step) for step in counter.steps] == [0, 0, 4]
     assert all(where.startswith("tests/test_throughput.py:") for where in counter.steps[2])
     assert sum(counter.lines.values()) == 4 and any("Tensor.tolist" in where for where in counter.lines)
+
+
+def test_between_two_log_steps_the_lora_and_full_fine_tune_loops_read_nothing_to_the_host(pretrained, tmp_path):
+    """The CPU proxy for a loop a GPU runs ahead of: bench/bench_host_reads.py counts the reads of tensor values in
+    each step of the real stage scripts (--log_interval 4): none in the steps between two log steps (the loss,
+    the gradient norm and the skip of a step that is not finite stay on the device), some at the log step. 16
+    samples at batch 2: no epoch starts in these steps (an epoch's order is drawn and read on the CPU, on a GPU
+    too)."""
+    from bench.bench_host_reads import run
+
+    common = ["--from_weight", pretrained, "--max_steps", "5", "--log_interval", "4", "--num_samples", "16",
+              "--batch_size", "2", "--sample_steps", "1", "--val_interval", "1000", "--out_dir", str(tmp_path / "out")]
+    for script, extra in (("trainer/train_lora.py", ["--prior_data", "none"]), ("trainer/train_full_sft.py", [])):
+        summary = run(script, common + extra + ["--save_dir", str(tmp_path / os.path.basename(script))])
+        assert summary["code"] == 0 and summary["steps"][:3] == [0, 0, 0], (script, summary["step_lines"])
+        assert summary["steps"][3] >= 1  # the log step after step 4: the four steps' values, read at once

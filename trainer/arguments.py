@@ -328,6 +328,9 @@ def add_plumbing_args(parser, data="builtin"):
       "end")
     a("--sample_prompts", default=None, help="file of prompts for the sample grids, one a line; default: fixed "
       "prompts for the built-in data, else 8 captions of the dataset")
+    a("--log_interval", type=positive_int, default=1, help="steps between the reads of the loss and the other "
+      "values to the host (their rows in the metrics file, the progress bar, a stop agreed on by the processes): "
+      "between two, a GPU runs ahead with nothing to wait for; every save, validation and the end are one too")
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
       "step trained on (to audit the data order across resumes)")
     a("--num_workers", type=worker_count, default="auto", help="data loader processes; auto = 0 on a CPU (every "

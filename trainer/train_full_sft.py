@@ -16,7 +16,6 @@ loss and backward of a step's micro-batches, train the loop.
 The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
 target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
-import math
 import os
 import sys
 import time
@@ -35,10 +34,11 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, StagePrecision, StepInBackward, StopSignal, Throughput, TokenRouting, adamw,
-    check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed,
-    load_network, log_peak, lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr,
-    stage_data, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, write_export,
+    Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
+    any_process, check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, load_network, log_peak, lr_at, mean_over_processes, not_finite, resume_run, resumed_dtype,
+    run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, whole,
+    write_export,
 )
 
 
@@ -92,7 +92,7 @@ def parse_args(argv=None):
     parser.set_real_model_defaults(trained_dtype="bf16", optimizer="adamw8bit", ema_decay=0.0, learning_rate=1e-5,
                                    batch_size=1, accumulation_steps=4, warmup_steps=0, min_lr_ratio=1.0,
                                    max_steps=500, weight_decay=1e-4, resolution=1024, gradient_checkpointing="auto",
-                                   train_shift=3.0, export_single_file=True, blocks_to_swap="auto")
+                                   train_shift=3.0, export_single_file=True, blocks_to_swap="auto", log_interval=10)
     return parser.parse_args(argv)
 
 
@@ -210,14 +210,15 @@ def outputs(args, info, position, learner, metrics, source, precision):
 def accumulate(args, batches, learner, generator, fused, throughput):
     """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
     their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses. With `fused`
-    (StepInBackward) the backward steps every parameter; a loss that is not finite is not backpropagated. And
+    (StepInBackward) the backward steps every parameter, but where the loss is not finite (on the device). And
     their FLOPs (`throughput`)."""
     total, flops = 0.0, 0.0
     for micro, batch in enumerate(batches):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
-        if fused is None or torch.isfinite(loss):  # a step in backward cannot be taken back
-            (loss / args.accumulation_steps).backward()
+        if fused is not None:  # a step in backward cannot be taken back: none where the loss is not finite
+            fused.watch(loss)
+        (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
         flops += throughput.flops(batch).model
     return total, flops
@@ -225,50 +226,57 @@ def accumulate(args, batches, learner, generator, fused, throughput):
 
 def train(args, info, position, data, learner, out, fused):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. `fused`:
-    the StepInBackward that stepped each parameter in backward, or None."""
+    the StepInBackward that stepped each parameter in backward, or None. Between two log steps (--log_interval)
+    nothing is read to the host: a GPU runs ahead of it."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
-    stopping, guard = False, NonFiniteSteps(args.save_dir)
-    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+    stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
             total, flops = accumulate(args, batches, learner, position.generator, fused, out.throughput)
-            # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
-            (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
+            # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether either is
+            # not finite: all on the device, where the update and the EMA are skipped if so
+            loss = mean_over_processes(total / args.accumulation_steps, info)
             if fused:  # stepped in backward, each parameter clipped alone: the norm before clipping
                 grad_norm = fused.grad_norm()
             else:
-                grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
-                    else None
-            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if warning:
-                log(warning)
-            else:
-                if not fused:  # a fused run stepped each parameter in backward
-                    for optimizer in learner.optimizers:
-                        optimizer.step()
-                if ema is not None:
-                    ema.update(position.step)
+                grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            skipped = not_finite(loss, grad_norm)
+            if not fused:  # a fused run stepped each parameter in backward
+                for optimizer in learner.optimizers:
+                    optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
+                    optimizer.step()
+            if ema is not None:
+                ema.update(position.step, skipped)
             for optimizer in learner.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             position.end_step()
-            seconds = time.perf_counter() - started
+            rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
+                     position.step_ids() if args.log_sample_ids else None)
 
-            val_loss = None
-            if data.validation and (position.step % args.val_interval == 0 or position.finished):
-                val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
-                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
-                          warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.step % args.save_interval == 0 or position.finished or stopping:
+            saving = position.step % args.save_interval == 0 or position.finished
+            validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
+            if saving or validating or position.step % args.log_interval == 0:  # a log step: the host reads
+                stopping = any_process(stop.received is not None, info)  # the processes agree to stop here
+                steps = rows.read()  # every step's values since the last log step, at once
+                if validating:
+                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
+                for step in steps:
+                    warning = guard.skip(step.values["loss"], step.values["grad_norm"], step.at.step)
+                    if warning:  # not finite: skipped on the device (many in a row: the end)
+                        log(warning)
+                    metrics.write(step.at, {**step.values, **out.throughput.rates(step.flops, step.seconds)},
+                                  position.global_batch / step.seconds, warning is not None, step.ids)
+            if saving or stopping:
                 log_peak(info, f"step {position.step}", log)  # what a save adds to it: the line after it
-                saving = time.perf_counter()
+                began = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
                 written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - saving:.1f} s")
+                    f"{time.perf_counter() - began:.1f} s")
                 log_peak(info, f"saving step {position.step}", log)
                 metrics.plot(position.step, last=position.finished or stopping)
             if not stopping and (position.finished or args.sample_interval and

@@ -21,7 +21,6 @@ loss and backward of a step's micro-batches, train the loop.
 The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
 target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
-import math
 import os
 import sys
 import time
@@ -43,10 +42,11 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen, adapter_count,
-    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak, lr_at,
-    mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source,
-    step_zero, sync_gradients, to_item, torch_dtype, training_dataset, write_export,
+    Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
+    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
+    lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_main, run_precision,
+    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, training_dataset, whole,
+    write_export,
 )
 
 
@@ -108,7 +108,7 @@ def parse_args(argv=None):
     parser.set_real_model_defaults(learning_rate=1e-4, lora_rank=16, batch_size=1, accumulation_steps=4,
                                    warmup_steps=0, min_lr_ratio=1.0, max_steps=500, weight_decay=1e-4,
                                    gradient_checkpointing="auto", resolution=1024, train_shift=3.0,
-                                   sample_interval=100, blocks_to_swap="auto")
+                                   sample_interval=100, blocks_to_swap="auto", log_interval=10)
     return parser.parse_args(argv)
 
 
@@ -235,45 +235,52 @@ def accumulate(args, batches, learner, generator, throughput):
 
 
 def train(args, info, position, data, learner, out):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between
+    two log steps (--log_interval) nothing is read to the host: a GPU runs ahead of it."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]  # the adapters
-    stopping, guard = False, NonFiniteSteps(args.save_dir)
-    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+    stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
             total, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
-            # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
-            (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
-            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
-                else None
-            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if warning:
-                log(warning)
-            else:
-                for optimizer in learner.optimizers:
-                    optimizer.step()
-                if ema is not None:
-                    ema.update(position.step)
+            # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether either is
+            # not finite: all on the device, where the update and the EMA are skipped if so
+            loss = mean_over_processes(total / args.accumulation_steps, info)
+            grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            skipped = not_finite(loss, grad_norm)
+            for optimizer in learner.optimizers:
+                optimizer.found_inf = skipped  # fused AdamW: no update where 1
+                optimizer.step()
+            if ema is not None:
+                ema.update(position.step, skipped)
             for optimizer in learner.optimizers:
                 optimizer.zero_grad(set_to_none=True)
             position.end_step()
-            seconds = time.perf_counter() - started
+            rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
+                     position.step_ids() if args.log_sample_ids else None)
 
-            val_loss = None
-            if data.validation and (position.step % args.val_interval == 0 or position.finished):
-                val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
-                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
-                          warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.step % args.save_interval == 0 or position.finished or stopping:
-                saving = time.perf_counter()
+            saving = position.step % args.save_interval == 0 or position.finished
+            validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
+            if saving or validating or position.step % args.log_interval == 0:  # a log step: the host reads
+                stopping = any_process(stop.received is not None, info)  # the processes agree to stop here
+                steps = rows.read()  # every step's values since the last log step, at once
+                if validating:
+                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
+                for step in steps:
+                    warning = guard.skip(step.values["loss"], step.values["grad_norm"], step.at.step)
+                    if warning:  # not finite: skipped on the device (many in a row: the end)
+                        log(warning)
+                    metrics.write(step.at, {**step.values, **out.throughput.rates(step.flops, step.seconds)},
+                                  position.global_batch / step.seconds, warning is not None, step.ids)
+            if saving or stopping:
+                began = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
                 written += write_export(out.export, (ema or LoRAWeights(learner.model)).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - saving:.1f} s")
+                    f"{time.perf_counter() - began:.1f} s")
                 metrics.plot(position.step, last=position.finished or stopping)
             if not stopping and (position.finished or args.sample_interval and
                                  position.step % args.sample_interval == 0):

@@ -11,8 +11,11 @@ it trains. The loop's own torch calls (the loss, backward, clipping, the optimiz
                     Previews (sample grids, validation loss), Throughput (FLOPs, MFU), Outputs
     resume          resume_run: the run continued where its checkpoint left off, or started
     the schedule    lr_at (below: warmup, then cosine decay, at the run's position) and set_lr
-    a step          sync_gradients (the accumulation's sync decision), mean_and_any (the step's one all-reduce),
-                    to_item, NonFiniteSteps (the skip of a step that is not finite)
+    a step          sync_gradients (the accumulation's sync decision), mean_over_processes (the loss, on the
+                    device), whole, not_finite (the skip of a step that is not finite, decided on the device),
+                    mean_and_any (a step's one all-reduce and read), to_item
+    a log step      StepRows (the steps' values read at once), any_process (a stop agreed on), NonFiniteSteps (the
+                    end after many skipped steps)
     save            Checkpointer.save, write_export (what other tools read)
     stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
 
@@ -46,11 +49,11 @@ from trainer.mechanics.checkpointer import (
     Checkpointer, RunSpec, checkpoint_stem, find_resume, resume_lines, resumed_dtype,
 )
 from trainer.mechanics.distributed import (
-    NamedOptimizerState, data_parallel, init_distributed, leave_together, mean_and_any, sync_gradients, to_item,
-    write_export,
+    NamedOptimizerState, any_process, data_parallel, init_distributed, leave_together, mean_and_any,
+    mean_over_processes, sync_gradients, to_item, whole, write_export,
 )
 from trainer.mechanics.ema import EMA
-from trainer.mechanics.metrics import MetricsLog, Throughput
+from trainer.mechanics.metrics import MetricsLog, StepRows, Throughput
 from trainer.mechanics.optimizers import StepInBackward, adamw, check_step_in_backward
 from trainer.mechanics.position import Position
 from trainer.mechanics.previews import Previews, step_zero
@@ -115,11 +118,18 @@ class NonFiniteSteps:
             self.in_a_row = 0
             return None
         self.in_a_row += 1
-        what = f"{'loss' if grad_norm is None else 'gradient norm'} is {loss if grad_norm is None else grad_norm}"
+        what = f"loss is {loss}" if grad_norm is None or not math.isfinite(loss) else f"gradient norm is {grad_norm}"
         if self.in_a_row >= self.limit:
             raise UserError(f"loss was not finite for {self.in_a_row} steps in a row (at step {step} the {what}; "
                             f"last good save in {self.save_dir}): lower --learning_rate or check the data")
         return f"warning: {what} at step {step}; update skipped ({self.in_a_row} in a row)"
+
+
+def not_finite(loss, grad_norm):
+    """1.0 (a float32 tensor on the device) where the step's loss or gradient norm is NaN or infinite, else 0.0:
+    the flag fused AdamW skips its update by (`optimizer.found_inf`, as AMP's GradScaler hands it), and the EMA
+    too, with nothing read to the host."""
+    return (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
 
 
 # ----------------------------------------------------------------------------------------------------------------

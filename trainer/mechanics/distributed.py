@@ -123,6 +123,26 @@ def mean_and_any(values, flag, info):
     return [v / info.world_size for v in means], flagged > 0
 
 
+def mean_over_processes(value, info):
+    """The mean over processes of `value`, a scalar tensor on the device (a step's loss, summed there), in float64,
+    all-reduced on the device: nothing waits for it (the loop reads it at its log step)."""
+    value = value.double()
+    if info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value)
+        value = value / info.world_size
+    return value
+
+
+def any_process(flag, info):
+    """Whether `flag` is set on any process: one all-reduce and one read where there are several, none on one."""
+    if info.world_size == 1:
+        return bool(flag)
+    t = torch.tensor(float(flag), device=info.device)
+    dist.all_reduce(t)
+    return t.item() > 0
+
+
 def sync_gradients(model, sync):
     """Whether the next forward and backward of `model` all-reduce its gradients: DDP's, on the last of a step's
     micro-batches only, so the others accumulate locally (nanoGPT's require_backward_grad_sync). FSDP
@@ -226,6 +246,12 @@ def is_dtensor(value):
     loaded by the runs that shard: where it never was, no tensor is one."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def whole(value):
+    """A scalar tensor made whole if it is a DTensor (e.g. a norm of sharded gradients), else itself: on the
+    device, no read."""
+    return value.full_tensor() if is_dtensor(value) else value
 
 
 def to_item(value):

@@ -18,11 +18,16 @@ class EMA:
         return {k: v.detach().to(self.device).float().clone() for k, v in self.source.state_dict().items()}
 
     @torch.no_grad()
-    def update(self, step):
-        decay = min(self.decay, (1 + step) / (10 + step))
+    def update(self, step, skipped=None):
+        """The average moved towards the weights after `step`. `skipped`: 1.0 (a float32 tensor on the device) where
+        the step's update was skipped, 0.0 else: the average then stays where it is, decided on the device (no
+        read)."""
+        weight = 1 - min(self.decay, (1 + step) / (10 + step))
+        if skipped is not None:
+            weight = (1 - skipped).to(next(iter(self.shadow.values())).device) * weight
         for k, v in self.source.state_dict().items():
             if v.is_floating_point():
-                self.shadow[k].lerp_(v.to(self.device).float(), 1 - decay)
+                self.shadow[k].lerp_(v.to(self.device).float(), weight)
             else:
                 self.shadow[k].copy_(v)
 

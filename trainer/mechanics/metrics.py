@@ -63,6 +63,50 @@ def latent_shape(batch, downscale):
     return len(images), images.shape[-2] // downscale, images.shape[-1] // downscale
 
 
+@dataclass(frozen=True)
+class At:
+    """What a metrics row records of where a step left the run."""
+    step: int
+    epoch: int
+    samples_seen: int
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """A step read at a log step: where it left the run (`at`), its values as numbers, its FLOPs, the dataset
+    indices it trained on (or None), and its share of the seconds the steps since the last read took."""
+    at: At
+    values: dict
+    flops: float
+    ids: list
+    seconds: float
+
+
+class StepRows:
+    """The steps since the last log step: each one's values kept as they are (a loss, a gradient norm: tensors on
+    the device) until the log step reads them all to the host in one copy, the only wait for the device between
+    two log steps (--log_interval)."""
+
+    def __init__(self):
+        self.pending = []
+
+    def add(self, position, values, flops, started, ids=None):
+        """The step that `position` has just ended, begun at `started` (time.perf_counter()), with `values`."""
+        self.pending.append((At(position.step, position.epoch, position.samples_seen), values, flops, started, ids))
+
+    def read(self):
+        """-> [StepRow]: the steps since the last read, their tensors read at once; each step's seconds are the
+        mean over them (a step queued on a GPU ends when the read does)."""
+        tensors = [v.double() for _, values, _, _, _ in self.pending for v in values.values()
+                   if isinstance(v, torch.Tensor)]
+        numbers = iter(torch.stack(tensors).tolist() if tensors else [])
+        seconds = (time.perf_counter() - self.pending[0][3]) / len(self.pending)
+        rows = [StepRow(at, {k: next(numbers) if isinstance(v, torch.Tensor) else v for k, v in values.items()},
+                        flops, ids, seconds) for at, values, flops, _, ids in self.pending]
+        self.pending = []
+        return rows
+
+
 class MetricsLog:
     """The lines, metric rows, progress bar and wandb run of the run `name` of `stage`, its files in `out_dir`;
     rank 0 alone writes. `wandb`: (project, config) to log to wandb, or None. Its state (state_dict) is the wandb

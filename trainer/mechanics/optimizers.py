@@ -13,24 +13,26 @@ and optimizer state, plus a few gradients.
 What it cannot do is refused before any work (check_step_in_backward): accumulation over micro-batches (the step
 would come before the last micro-batch's gradient) and several processes (DDP and FSDP reduce gradients after
 the hook would have stepped). A global clip needs every gradient first: --grad_clip clips each parameter's
-gradient to that norm instead. A gradient that is not finite skips its parameter's step.
+gradient to that norm instead. A gradient that is not finite skips its parameter's step, on the device.
 """
 import torch
 
 from model.errors import UserError
+from model.flat_adamw import FlatAdamW
 from model.precision import import_torchao
 
 
 def adamw(params, lr, weight_decay, eight_bit=False, bf16_rounding=None):
     """AdamW over `params`: torch's, fused (one kernel for all parameters, on a CPU too), or with `eight_bit`
     torchao's 8-bit AdamW (2 bytes of state a parameter instead of 8). For bf16 weights (`bf16_rounding`:
-    "stochastic" or "nearest"), torchao's, which computes each update in fp32 and rounds it to bf16 as asked."""
+    "stochastic" or "nearest"), torchao's, which computes each update in fp32 and rounds it to bf16 as asked.
+    torchao's two run as model/flat_adamw.FlatAdamW: the same update, in a few calls a step instead of one a
+    tensor. Each skips a step on the device where the loop sets `optimizer.found_inf`."""
     params = list(params)
     if bf16_rounding is None and not eight_bit:
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
-    optim = import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16").optim
-    kind = optim.AdamW8bit if eight_bit else optim._AdamW  # _AdamW: torchao's AdamW for low-precision weights
-    return kind(params, lr=lr, weight_decay=weight_decay, bf16_stochastic_round=bf16_rounding == "stochastic")
+    import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16")
+    return FlatAdamW(params, lr, weight_decay, eight_bit, bf16_rounding == "stochastic")
 
 
 def check_step_in_backward(accumulation_steps, world_size):
@@ -52,21 +54,28 @@ class StepInBackward:
         self.params = [p for p in params if p.requires_grad]
         self.optimizers = [adamw([p], lr, weight_decay, eight_bit, bf16_rounding) for p in self.params]
         self.optimizer_of = dict(zip(self.params, self.optimizers))
-        self.grad_clip, self.squares = grad_clip, []
+        self.grad_clip, self.squares, self.loss_finite = grad_clip, [], torch.tensor(True)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self.step)
+
+    def watch(self, loss):
+        """The loss the next backward starts from: where it is not finite, no parameter is stepped (decided on the
+        device, as each gradient's own check)."""
+        self.loss_finite = torch.isfinite(loss.detach())
 
     @torch.no_grad()
     def step(self, param):
         norm = torch.linalg.vector_norm(param.grad, dtype=torch.float32)
         self.squares.append(norm.square())
-        if torch.isfinite(norm):  # read on the host: a step cannot be taken back
-            param.grad.mul_((self.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(param.grad.dtype))
-            self.optimizer_of[param].step()
+        param.grad.mul_((self.grad_clip / (norm + 1e-6)).clamp(max=1.0).to(param.grad.dtype))
+        optimizer = self.optimizer_of[param]
+        # a step cannot be taken back: none where this gradient or the loss is not finite, skipped on the device
+        optimizer.found_inf = (~(torch.isfinite(norm) & self.loss_finite)).float()
+        optimizer.step()
         param.grad = None
 
     def grad_norm(self):
-        """-> the norm over every parameter of this step's gradients, before clipping (None: no backward ran);
-        the count starts again."""
+        """-> the norm over every parameter of this step's gradients, before clipping, a tensor on the device
+        (None: no backward ran); the count starts again."""
         squares, self.squares = self.squares, []
-        return torch.stack(squares).sum().sqrt().item() if squares else None
+        return torch.stack(squares).sum().sqrt() if squares else None
