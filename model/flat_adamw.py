@@ -56,6 +56,14 @@ class FlatAdamW(Optimizer):
         for group in self.groups:
             group.step(found_inf)
 
+    def state_dict(self):
+        """torchao's state dict, each tensor's state a copy of its own: a view of the flat buffers would take the
+        whole buffer into a file that saves it alone (a DCP shard)."""
+        state = super().state_dict()
+        state["state"] = {key: {name: compact(value) for name, value in entry.items()}
+                          for key, entry in state["state"].items()}
+        return state
+
     def load_state_dict(self, state_dict):
         """torchao's state (or this one's), tensor by tensor, copied into the flat buffers."""
         super().load_state_dict(state_dict)
@@ -171,6 +179,18 @@ class FlatGroup:
             for name in ("exp_avg", "exp_avg_sq"):
                 self.owner.local(ours[name]).copy_(self.owner.local(saved[name]).to(self.step_count.device))
             self.step_count.copy_(saved["step"])
+
+
+def compact(value):
+    """`value` with storage of its own (an 8-bit state's codes and scales too); the shared step count as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return DTensor.from_local(compact(value.to_local()), value.device_mesh, value.placements, run_check=False,
+                                  shape=value.shape, stride=value.stride())
+    if hasattr(value, "codes"):
+        return type(value)(value.codes.clone(), value.scale.clone(), value.qmap, value.signed, dtype=value.dtype)
+    return value.clone() if value.dim() else value
 
 
 def chunk_update(weights, grads, moments, step, lr, skip, held, hyper, stochastic):
