@@ -43,33 +43,43 @@ class LoRAMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, frozen, base):
-        weight, bias, a_t, b_t, scale = frozen
+        weight, bias, (a_t, b_t, a, b), scale = frozen
         x2 = x.reshape(-1, x.shape[-1]).to(a_t.dtype)
         h = torch.mm(x2, a_t)  # [tokens, rank]
         if base is None:
             w = weight.to(a_t.dtype)
             base = torch.addmm(bias.to(a_t.dtype), x2, w.t()) if bias is not None else torch.mm(x2, w.t())
-        out = torch.addmm(base.reshape(h.shape[0], -1), h, b_t, alpha=scale)
+        else:
+            base = base.reshape(h.shape[0], -1)
+        out = torch.addmm(base, h, b_t, alpha=scale)
         ctx.save_for_backward(x2, h)  # the activations: what checkpointing frees and recomputes
         # the weights, on ctx as they are held (a cast is made again in backward): a parameter, not a copy of it,
-        # so a block swapped to host memory (model/block_swap.py) keeps nothing of its weights on the device
-        ctx.frozen, ctx.scale = (weight, a_t, b_t), scale
+        # so a block swapped to host memory (model/block_swap.py) keeps nothing of its weights on the device; the
+        # adapters cast, and untransposed (no transpose to dispatch in backward)
+        ctx.frozen, ctx.scale = (weight, a, b), scale
         ctx.x_meta, ctx.dtypes = (x.shape, x.dtype), (lora_a.dtype, lora_b.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
         x2, h = ctx.saved_tensors
-        weight, a_t, b_t = ctx.frozen
-        weight = None if weight is None else weight.to(a_t.dtype)
-        g = grad.reshape(-1, grad.shape[-1]).to(a_t.dtype)
-        gh = torch.mm(g, b_t.t()).mul_(ctx.scale)  # [tokens, rank]: the gradient of x A^T
+        weight, a, b = ctx.frozen
+        weight = None if weight is None else weight.to(a.dtype)
+        g = grad.reshape(-1, grad.shape[-1]).to(a.dtype)
+        gh = torch.mm(g, b)  # [tokens, rank]: the gradient of x A^T, over the scale
+        if ctx.scale != 1:  # (alpha = rank, the default: nothing to multiply)
+            gh.mul_(ctx.scale)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(gh, a_t.t()) if weight is None else torch.addmm(torch.mm(g, weight), gh, a_t.t())
+            grad_x = torch.mm(gh, a) if weight is None else torch.addmm(torch.mm(g, weight), gh, a)
             grad_x = grad_x.view(ctx.x_meta[0]).to(ctx.x_meta[1])
         grad_a = torch.mm(gh.t(), x2).to(ctx.dtypes[0]) if ctx.needs_input_grad[1] else None
-        grad_b = torch.mm(g.t(), h).mul_(ctx.scale).to(ctx.dtypes[1]) if ctx.needs_input_grad[2] else None
+        grad_b = None
+        if ctx.needs_input_grad[2]:
+            grad_b = torch.mm(g.t(), h)
+            if ctx.scale != 1:
+                grad_b.mul_(ctx.scale)
+            grad_b = grad_b.to(ctx.dtypes[1])
         return grad_x, grad_a, grad_b, None, grad if ctx.needs_input_grad[4] else None
 
 
@@ -89,6 +99,8 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
         self._cast = None  # the adapters cast for the forward: adapters_in
+        self._cast_buffers = {}  # (dtype, device) -> the buffers a plain layer's adapters are cast into, made once
+        self.casts = AdapterCasts([self])  # apply_lora makes one for all the model's layers
         # a fused optimizer steps them without touching their version counters: the cast is forgotten once
         # backward has their gradients, before any step
         for weight in (self.lora_A.weight, self.lora_B.weight):
@@ -102,33 +114,50 @@ class LoRALinear(nn.Linear):
         if self.merged:
             return super().forward(x)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        a_t, b_t = self.adapters_in(dtype)
+        casts = self.adapters_in(dtype)
         weight, bias = self.weight, self.bias
         plain = type(weight) in (torch.Tensor, nn.Parameter) and not (weight.requires_grad or
                                                                      bias is not None and bias.requires_grad)
         if plain and isinstance(self.dropout, nn.Identity):  # one matrix product for the base and the update
-            return LoRAMatmul.apply(x, self.lora_A.weight, self.lora_B.weight, (weight, bias, a_t, b_t, self.scale),
+            return LoRAMatmul.apply(x, self.lora_A.weight, self.lora_B.weight, (weight, bias, casts, self.scale),
                                     None)
         base = super().forward(x)  # autograd's: a trained or quantised W, or dropout on the adapter's input only
         return LoRAMatmul.apply(self.dropout(x), self.lora_A.weight, self.lora_B.weight,
-                                (None, None, a_t, b_t, self.scale), base.to(dtype))
+                                (None, None, casts, self.scale), base.to(dtype))
 
     def forget_cast(self, _=None):
         self._cast = None
 
     def adapters_in(self, dtype):
-        """A^T and B^T in `dtype`, cast once for a forward and its recompute, not at every call: the cast is
+        """(A^T, B^T, A, B) in `dtype`, cast once for a forward and its recompute, not at every call: the cast is
         forgotten when backward has their gradients (forget_cast) or something writes them (a load: their version
-        counters); inside a compiled graph, cast there (the compiler fuses it)."""
-        a, b = self.lora_A.weight, self.lora_B.weight
-        key = (a, b, a._version, b._version, dtype)
+        counters); then the casts of every layer that forgot its own are made again at once (AdapterCasts).
+        Inside a compiled graph, cast there (the compiler fuses it)."""
         if torch.compiler.is_compiling():
-            return a.to(dtype).t(), b.to(dtype).t()
-        cached = self._cast
-        if cached is None or cached[0][0] is not a or cached[0][1] is not b or cached[0][2:] != key[2:]:
-            with torch.no_grad():
-                cached = self._cast = (key, (a.to(dtype).t(), b.to(dtype).t()))
-        return cached[1]
+            a, b = self.lora_A.weight.to(dtype), self.lora_B.weight.to(dtype)
+            return a.t(), b.t(), a, b
+        if not self.cast_current(dtype):
+            self.casts.refresh(dtype, self)
+        return self._cast[1]
+
+    def cast_current(self, dtype):
+        """Whether the cast held is of the adapters as they are now, in `dtype`."""
+        cached, a, b = self._cast, self.lora_A.weight, self.lora_B.weight
+        return cached is not None and cached[0][0] is a and cached[0][1] is b and \
+            cached[0][2:] == (a._version, b._version, dtype)
+
+    def cast_key(self, dtype):
+        a, b = self.lora_A.weight, self.lora_B.weight
+        return a, b, a._version, b._version, dtype
+
+    def cast_buffers(self, dtype):
+        """(A^T, B^T, A, B): buffers of `dtype` made once, refreshed in place, and their transposed views."""
+        key = (dtype, self.lora_A.weight.device)
+        if key not in self._cast_buffers:
+            a = torch.empty(self.lora_A.weight.shape, dtype=dtype, device=key[1])
+            b = torch.empty(self.lora_B.weight.shape, dtype=dtype, device=key[1])
+            self._cast_buffers[key] = (a.t(), b.t(), a, b)
+        return self._cast_buffers[key]
 
     @torch.no_grad()
     def merge(self):
@@ -144,6 +173,38 @@ class LoRALinear(nn.Linear):
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
+
+
+class AdapterCasts:
+    """The adapters of a model's LoRA layers, cast to the compute dtype for a forward all at once: where a layer's
+    cast is out of date, every layer whose cast is out of date too (after a step: all of them) is copied into its
+    buffers by two multi-tensor copies, instead of two casts and two transposes a layer (972 operations a step for
+    the attention of SD3.5-Medium). A layer whose adapters are not plain tensors of this device (sharded by FSDP
+    between forwards) casts its own."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    @staticmethod
+    def plain(layer, device):
+        a, b = layer.lora_A.weight, layer.lora_B.weight
+        return type(a) is nn.Parameter and type(b) is nn.Parameter and a.device == b.device == device
+
+    @torch.no_grad()
+    def refresh(self, dtype, asking):
+        """The casts in `dtype` of `asking` (a layer whose cast is out of date), and of every plain layer whose
+        cast is out of date too."""
+        device = asking.lora_A.weight.device
+        if not self.plain(asking, device):
+            a, b = asking.lora_A.weight.to(dtype), asking.lora_B.weight.to(dtype)
+            asking._cast = (asking.cast_key(dtype), (a.t(), b.t(), a, b))
+            return
+        stale = [layer for layer in self.layers if self.plain(layer, device) and not layer.cast_current(dtype)]
+        buffers = [layer.cast_buffers(dtype) for layer in stale]
+        torch._foreach_copy_([casts[2] for casts in buffers], [layer.lora_A.weight for layer in stale])
+        torch._foreach_copy_([casts[3] for casts in buffers], [layer.lora_B.weight for layer in stale])
+        for layer, casts in zip(stale, buffers):
+            layer._cast = (layer.cast_key(dtype), casts)
 
 
 def resolve_targets(targets):
@@ -172,10 +233,14 @@ def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0, 
              if type(module) is nn.Linear and _matches(name, suffixes)]
     if not names:
         raise ValueError(f"no nn.Linear in the model matches the LoRA targets {', '.join(suffixes)}")
+    casts = AdapterCasts([])  # one for the model: its layers' adapters cast at once
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha, dropout, device))
+        layer = LoRALinear(getattr(parent, child), rank, alpha, dropout, device)
+        layer.casts = casts
+        casts.layers.append(layer)
+        setattr(parent, child, layer)
     return names
 
 
