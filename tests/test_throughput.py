@@ -15,9 +15,9 @@ from bench.bench_throughput import CONFIGS, measure
 def test_the_lora_step_dispatches_at_most_half_the_operations_it_did():
     plain = measure(CONFIGS["lora_b1_auto"], 64, 1, 64)
     assert plain["recomputed"] == 0  # auto: a 24 GB card holds batch 1 at 1024 px without recomputing
-    assert plain["ops_per_step"] <= 28_192 // 2
+    assert plain["ops_per_step"] <= 11_500  # 28,192 before; 13,651 before the adapters were cast at once: 11,475
     everything = measure(CONFIGS["lora_b1_all"], 64, 1, 64)
-    assert everything["recomputed"] == 24 and everything["ops_per_step"] <= 20_000  # 19,663 at this change
+    assert everything["recomputed"] == 24 and everything["ops_per_step"] <= 17_400  # 19,663, then 17,340
 
 
 def test_the_host_reads_counter_counts_each_read_of_a_tensor_value_by_step_and_line():
