@@ -5,10 +5,10 @@ tensor.
 torchao's AdamW8bit and _AdamW compile and launch an update for each parameter tensor: hundreds of calls a step
 at SD3.5 size, the host's time. Here each group of parameters (those with 8-bit state: 4096 values and more, a
 multiple of the 256-value block; the others, state in their own dtype, as torchao decides) keeps its state in one
-flat buffer. A step copies the weights and gradients into an fp32 work buffer a chunk at a time (one multi-tensor
-copy each), runs torchao's own arithmetic on the chunk (one compiled call: dequantise, the moments, the update,
-requantise, the rounding), and copies the weights back (one more). Blocks of 256 values never straddle two
-tensors: a quantised tensor's size divides by 256, and so do the chunks.
+flat buffer. A step copies the weights and gradients into work buffers (in the weights' dtype) a chunk at a time
+(one multi-tensor copy each), runs torchao's own arithmetic on the chunk in fp32 (one compiled call: dequantise,
+the moments, the update, requantise, the rounding), and copies the weights back (one more). Blocks of 256 values
+never straddle two tensors: a quantised tensor's size divides by 256, and so do the chunks.
 
 The state a checkpoint holds is torchao's, tensor by tensor (views of the flat buffers: the same files load in
 either), and `found_inf` (a float32 device tensor, as AMP's GradScaler sets it on fused AdamW) skips the step on
@@ -40,7 +40,8 @@ class FlatAdamW(Optimizer):
         each group's learning rate a float32 tensor on the device (set_lr fills it: nothing waits)."""
         sets = {}
         for index, group in enumerate(self.param_groups):
-            group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32, device=self.local(group["params"][0]).device)
+            device = self.local(group["params"][0]).device
+            group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32, device=device)
             for p in group["params"]:
                 n = self.local(p).numel()
                 quantised = self.eight_bit and n >= 4096 and n % BLOCK == 0
@@ -84,22 +85,24 @@ class FlatGroup:
         # where the group is one tensor (a step in backward's optimizer) the update runs on it and its gradient,
         # and on the state the optimizer holds (block swap replaces it); else on copies into work buffers
         self.alone = len(params) == 1 and total <= CHUNK
-        self.chunk = total if self.alone else min(CHUNK, -(-total // BLOCK) * BLOCK)
-        padded = -(-total // self.chunk) * self.chunk
+        self.chunk = max(1, total if self.alone else min(CHUNK, -(-total // BLOCK) * BLOCK))  # 1: an empty shard
+        self.padded = -(-total // self.chunk) * self.chunk
         device, dtype = owner.local(params[0]).device, params[0].dtype
-        self.step_count = torch.zeros((), device=device)
+        step_count = torch.zeros((), device=device)
         if quantised:
             subclass = import_torchao("--optimizer adamw8bit").optim.subclass_8bit.OptimState8bit
-            self.moments = [subclass.zeros((padded,), signed, BLOCK, device) for signed in (True, False)]
+            moments = [subclass.zeros((self.padded,), signed, BLOCK, device) for signed in (True, False)]
         else:
-            self.moments = [torch.zeros(padded, device=device, dtype=dtype) for _ in range(2)]
+            moments = [torch.zeros(self.padded, device=device, dtype=dtype) for _ in range(2)]
         self.work = [] if self.alone else [torch.zeros(self.chunk, device=device, dtype=dtype) for _ in range(2)]
         self.update = torch.compile(chunk_update, fullgraph=True, dynamic=False)
         offset = 0
         for p, n in zip(params, self.sizes):
-            owner.state[p] = {"step": self.step_count, **{name: self.view(m, offset, n, p) for name, m in
-                                                          zip(("exp_avg", "exp_avg_sq"), self.moments)}}
+            owner.state[p] = {"step": step_count, **{name: self.view(m, offset, n, p) for name, m in
+                                                     zip(("exp_avg", "exp_avg_sq"), moments)}}
             offset += n
+        # a group of one tensor holds nothing of its own: block swap moves its state to host memory and back
+        self.moments, self.step_count = (None, None) if self.alone else (moments, step_count)
 
     def view(self, moment, offset, n, p):
         """Parameter `p`'s part of a flat moment, shaped as p (as torchao's state is), a DTensor where p is one."""
@@ -131,32 +134,52 @@ class FlatGroup:
         return weights, grads, spans
 
     def step(self, found_inf):
-        """Every chunk: weights and gradients into fp32, the compiled update, the weights back. Where some values of
-        a chunk have no gradient (a tensor outside this step's graph) they keep weight and state, as torchao skips
-        such a tensor."""
-        skip = torch.zeros((), device=self.step_count.device) if found_inf is None else found_inf
-        counted, s, dtype = self.step_count + 1, self.settings, self.params[0].dtype
+        """Every chunk: weights and gradients into the work buffers, the compiled update, the weights back. Where
+        some values of a chunk have no gradient (a tensor outside this step's graph) they keep weight and state, as
+        torchao skips such a tensor; the group's step count advances all the same (torchao's own for that tensor
+        would not: the stages train no such tensor, DDP would refuse it)."""
+        device, s, dtype = self.owner.local(self.params[0]).device, self.settings, self.params[0].dtype
+        skip = torch.zeros((), device=device) if found_inf is None else found_inf
+        step_count = self.step_count_on(device)
+        scalars = (step_count + 1, self.lr_on(device), skip)
         hyper = (s["betas"][0], s["betas"][1], s["weight_decay"], s["eps"])
         rounding = self.owner.stochastic and dtype == torch.bfloat16
         with torch._dynamo.utils.disable_cache_limit():  # a compile for each chunk size, as torchao's for each shape
-            for start in range(0, self.moments[0].shape[0], self.chunk):
+            for start in range(0, self.padded, self.chunk):
                 weights, grads, spans = self.pieces(start)
                 if not weights:
                     continue
                 if self.alone:
-                    self.update(weights[0], grads[0], self.moment_parts(start), counted, s["lr"], skip, None, hyper,
-                                rounding)
+                    self.update(weights[0], grads[0], self.moment_parts(start), scalars, None, hyper, rounding)
                     continue
                 into, held = [[buffer[lo:hi] for lo, hi in spans] for buffer in self.work], None
                 if sum(hi - lo for lo, hi in spans) < min(self.chunk, sum(self.sizes) - start):
-                    held = torch.zeros(self.chunk, device=self.step_count.device)
+                    held = torch.zeros(self.chunk, device=device)
                     torch._foreach_add_([held[lo:hi] for lo, hi in spans], 1.0)
                 torch._foreach_copy_(into[0], weights)
                 torch._foreach_copy_(into[1], grads)
-                self.update(self.work[0], self.work[1], self.moment_parts(start), counted, s["lr"], skip, held, hyper,
-                            rounding)
+                self.update(self.work[0], self.work[1], self.moment_parts(start), scalars, held, hyper, rounding)
                 torch._foreach_copy_(weights, into[0])
-        self.step_count.copy_(torch.where(skip > 0, self.step_count, counted))
+        step_count.copy_(torch.where(skip > 0, step_count, scalars[0]))
+
+    def step_count_on(self, device):
+        """The group's step count, on `device`: where a resume built the group in host memory (a swapped block),
+        moved once, not copied back each step."""
+        if self.alone:
+            state = self.owner.state[self.params[0]]
+            if state["step"].device != device:
+                state["step"] = state["step"].to(device)
+            return state["step"]
+        if self.step_count.device != device:
+            self.step_count = self.step_count.to(device)
+            for p in self.params:
+                self.owner.state[p]["step"] = self.step_count
+        return self.step_count
+
+    def lr_on(self, device):
+        if self.settings["lr"].device != device:
+            self.settings["lr"] = self.settings["lr"].to(device)
+        return self.settings["lr"]
 
     def moment_parts(self, start):
         """The chunk at `start` of both moments: (codes, scales, qmap) each where 8-bit, else (values,). A group of
@@ -177,29 +200,35 @@ class FlatGroup:
             if not saved:
                 continue
             for name in ("exp_avg", "exp_avg_sq"):
-                self.owner.local(ours[name]).copy_(self.owner.local(saved[name]).to(self.step_count.device))
-            self.step_count.copy_(saved["step"])
+                local = self.owner.local(ours[name])
+                local.copy_(self.owner.local(saved[name]).to(local.device))
+            ours["step"].copy_(saved["step"])
 
 
 def compact(value):
-    """`value` with storage of its own (an 8-bit state's codes and scales too); the shared step count as it is."""
+    """A DTensor's state (a sharded save writes each tensor alone) with storage of its own, an 8-bit state's codes
+    and scales too: one tensor's worth. Other state as it is: torch.save writes a shared buffer once."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(value, DTensor):
-        return DTensor.from_local(compact(value.to_local()), value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    if hasattr(value, "codes"):
-        return type(value)(value.codes.clone(), value.scale.clone(), value.qmap, value.signed, dtype=value.dtype)
-    return value.clone() if value.dim() else value
+    if not isinstance(value, DTensor):
+        return value
+    local = value.to_local()
+    if hasattr(local, "codes"):
+        local = type(local)(local.codes.clone(), local.scale.clone(), local.qmap, local.signed, dtype=local.dtype)
+    else:
+        local = local.clone()
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
 
 
-def chunk_update(weights, grads, moments, step, lr, skip, held, hyper, stochastic):
+def chunk_update(weights, grads, moments, scalars, held, hyper, stochastic):
     """torchao's single_param_adam (AdamW) on one chunk, in place: `weights` and `grads` (flat, in the weights'
-    dtype), `moments` ((codes, scales, qmap) or (values,) each), computed in fp32; unless `skip` is 1, and but
-    where `held` (None: all of it) is 0. `stochastic`: bf16 weights rounded stochastically."""
+    dtype), `moments` ((codes, scales, qmap) or (values,) each), computed in fp32 at `scalars` (the step count,
+    the learning rate, the skip flag): nothing where the flag is 1, or where `held` (None: all of it) is 0.
+    `stochastic`: bf16 weights rounded stochastically."""
     from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 
-    beta1, beta2, weight_decay, eps = hyper
+    (beta1, beta2, weight_decay, eps), (step, lr, skip) = hyper, scalars
     keep = skip > 0 if held is None else (skip > 0) | (held == 0)
     p, grads = weights.float(), grads.float()
     p = p - lr * weight_decay * p

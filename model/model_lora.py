@@ -103,7 +103,8 @@ class LoRALinear(nn.Linear):
         self.casts = AdapterCasts([self])  # apply_lora makes one for all the model's layers
         # a fused optimizer steps them without touching their version counters: the cast is forgotten once
         # backward has their gradients, before any step
-        for weight in (self.lora_A.weight, self.lora_B.weight):
+        self._hooked = (self.lora_A.weight, self.lora_B.weight)
+        for weight in self._hooked:
             weight.register_post_accumulate_grad_hook(self.forget_cast)
 
     def delta_weight(self):
@@ -179,16 +180,20 @@ class AdapterCasts:
     """The adapters of a model's LoRA layers, cast to the compute dtype for a forward all at once: where a layer's
     cast is out of date, every layer whose cast is out of date too (after a step: all of them) is copied into its
     buffers by two multi-tensor copies, instead of two casts and two transposes a layer (972 operations a step for
-    the attention of SD3.5-Medium). A layer whose adapters are not plain tensors of this device (sharded by FSDP
-    between forwards) casts its own."""
+    the attention of SD3.5-Medium). A layer whose adapters are not its own plain parameters on this device (FSDP's)
+    casts its own."""
 
     def __init__(self, layers):
         self.layers = layers
 
     @staticmethod
     def plain(layer, device):
+        """Whether `layer`'s adapters are the parameters it was made with (whose hooks forget its cast after
+        backward), plain tensors on `device`: FSDP puts parameters of its own in their place, which it fills without
+        a version counter's change, so such a layer casts its own at each forward as before."""
         a, b = layer.lora_A.weight, layer.lora_B.weight
-        return type(a) is nn.Parameter and type(b) is nn.Parameter and a.device == b.device == device
+        return a is layer._hooked[0] and b is layer._hooked[1] and type(a) is nn.Parameter and \
+            type(b) is nn.Parameter and a.device == b.device == device
 
     @torch.no_grad()
     def refresh(self, dtype, asking):

@@ -225,9 +225,8 @@ def accumulate(args, batches, learner, generator, fused, throughput):
 
 
 def train(args, info, position, data, learner, out, fused):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. `fused`:
-    the StepInBackward that stepped each parameter in backward, or None. Between two log steps (--log_interval)
-    nothing is read to the host: a GPU runs ahead of it."""
+    """The loop, from `position` to the end of the schedule or a stop signal; `fused`: the StepInBackward that steps
+    each parameter in backward, or None. Between two log steps nothing is read to the host: a GPU runs ahead."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
@@ -245,10 +244,9 @@ def train(args, info, position, data, learner, out, fused):
             else:
                 grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
             skipped = not_finite(loss, grad_norm)
-            if not fused:  # a fused run stepped each parameter in backward
-                for optimizer in learner.optimizers:
-                    optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
-                    optimizer.step()
+            for optimizer in learner.optimizers if not fused else ():  # a fused run stepped them in backward
+                optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
+                optimizer.step()
             if ema is not None:
                 ema.update(position.step, skipped)
             for optimizer in learner.optimizers:
@@ -259,8 +257,9 @@ def train(args, info, position, data, learner, out, fused):
 
             saving = position.step % args.save_interval == 0 or position.finished
             validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
-            if saving or validating or position.step % args.log_interval == 0:  # a log step: the host reads
-                stopping = any_process(stop.received is not None, info)  # the processes agree to stop here
+            if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
+                # a log step, where the host reads; processes agree to stop here (one alone stops at once)
+                stopping = any_process(stop.received is not None, info)
                 steps = rows.read()  # every step's values since the last log step, at once
                 if validating:
                     steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)

@@ -264,8 +264,9 @@ def train(args, info, position, data, learner, out):
 
             saving = position.step % args.save_interval == 0 or position.finished
             validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
-            if saving or validating or position.step % args.log_interval == 0:  # a log step: the host reads
-                stopping = any_process(stop.received is not None, info)  # the processes agree to stop here
+            if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
+                # a log step, where the host reads; processes agree to stop here (one alone stops at once)
+                stopping = any_process(stop.received is not None, info)
                 steps = rows.read()  # every step's values since the last log step, at once
                 if validating:
                     steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)

@@ -76,6 +76,6 @@ class StepInBackward:
 
     def grad_norm(self):
         """-> the norm over every parameter of this step's gradients, before clipping, a tensor on the device
-        (None: no backward ran); the count starts again."""
+        (NaN where no backward ran: the step counts as skipped); the count starts again."""
         squares, self.squares = self.squares, []
-        return torch.stack(squares).sum().sqrt() if squares else None
+        return torch.stack(squares).sum().sqrt() if squares else torch.tensor(float("nan"))
