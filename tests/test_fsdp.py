@@ -344,12 +344,14 @@ def test_every_rank_starts_from_rank_0s_weights_and_skips_a_step_whose_sharded_g
 
 def two_ranks_from_different_seeds(rank, folder):
     """Two gloo processes build the model from different seeds; once sharded, the model is rank 0's. Then one rank
-    alone has an infinite gradient in its shard: both see the global norm and both skip the update."""
+    alone has an infinite gradient in its shard: both see the global norm and both skip the update, by the host's
+    check and by fused AdamW's `found_inf` on the device (DTensor parameters, a plain flag)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
-    from trainer.trainer_utils import NonFiniteSteps
+    from trainer.mechanics.distributed import whole as made_whole
+    from trainer.trainer_utils import NonFiniteSteps, adamw, not_finite
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:
@@ -377,6 +379,17 @@ def two_ranks_from_different_seeds(rank, folder):
         optimizer.zero_grad(set_to_none=True)
         assert skipped is not None and not math.isfinite(grad_norm) and guard.in_a_row == 1
         assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
+        # as the LoRA and full fine-tune loops do now: the skip decided on the device, fused AdamW reading it
+        fused = adamw(params, 0.1, 0.0)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        if rank == 1:
+            params[0].grad.to_local()[0] = float("inf")
+        norm = made_whole(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        flag = not_finite(torch.tensor(1.0, dtype=torch.float64), norm)
+        fused.found_inf = flag
+        fused.step()
+        assert flag.item() == 1.0 and all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
         dist.barrier()
     finally:
         dist.destroy_process_group()
