@@ -14,6 +14,9 @@ The state a checkpoint holds is torchao's, tensor by tensor (views of the flat b
 either), and `found_inf` (a float32 device tensor, as AMP's GradScaler sets it on fused AdamW) skips the step on
 the device: the weights, the state and the step count stay as they were.
 """
+import bisect
+import itertools
+
 import torch
 from torch.optim import Optimizer
 
@@ -81,7 +84,8 @@ class FlatGroup:
     def __init__(self, params, settings, quantised, owner):
         self.params, self.settings, self.quantised, self.owner = params, settings, quantised, owner
         self.sizes = [owner.local(p).numel() for p in params]
-        total = sum(self.sizes)
+        self.offsets = list(itertools.accumulate(self.sizes, initial=0))[:-1]  # where each starts, flat
+        self.total = total = sum(self.sizes)
         # where the group is one tensor (a step in backward's optimizer) the update runs on it and its gradient,
         # and on the state the optimizer holds (block swap replaces it); else on copies into work buffers
         self.alone = len(params) == 1 and total <= CHUNK
@@ -123,14 +127,17 @@ class FlatGroup:
     def pieces(self, start):
         """(the flat pieces of the parameters with a gradient that fall in the chunk at `start`, of their
         gradients, (begin, end) of each in the chunk)."""
-        weights, grads, spans, offset = [], [], [], 0
-        for p, n in zip(self.params, self.sizes):
+        weights, grads, spans = [], [], []
+        first = bisect.bisect_right(self.offsets, start) - 1  # the tensors from the one the chunk starts in, not all
+        for index in range(max(first, 0), len(self.params)):
+            p, offset, n = self.params[index], self.offsets[index], self.sizes[index]
+            if offset >= start + self.chunk:
+                break
             lo, hi = max(offset, start), min(offset + n, start + self.chunk)
             if lo < hi and p.grad is not None:
                 weights.append(self.owner.local(p).view(-1)[lo - offset:hi - offset])
                 grads.append(self.owner.local(p.grad).view(-1)[lo - offset:hi - offset])
                 spans.append((lo - start, hi - start))
-            offset += n
         return weights, grads, spans
 
     def step(self, found_inf):
@@ -153,7 +160,7 @@ class FlatGroup:
                     self.update(weights[0], grads[0], self.moment_parts(start), scalars, None, hyper, rounding)
                     continue
                 into, held = [[buffer[lo:hi] for lo, hi in spans] for buffer in self.work], None
-                if sum(hi - lo for lo, hi in spans) < min(self.chunk, sum(self.sizes) - start):
+                if sum(hi - lo for lo, hi in spans) < min(self.chunk, self.total - start):
                     held = torch.zeros(self.chunk, device=device)
                     torch._foreach_add_([held[lo:hi] for lo, hi in spans], 1.0)
                 torch._foreach_copy_(into[0], weights)

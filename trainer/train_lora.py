@@ -46,7 +46,7 @@ from trainer.trainer_utils import (  # noqa: E402
     adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
     lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_main, run_precision,
     set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, training_dataset, whole,
-    write_export,
+    write_export, write_steps,
 )
 
 
@@ -270,12 +270,8 @@ def train(args, info, position, data, learner, out):
                 steps = rows.read()  # every step's values since the last log step, at once
                 if validating:
                     steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
-                for step in steps:
-                    warning = guard.skip(step.values["loss"], step.values["grad_norm"], step.at.step)
-                    if warning:  # not finite: skipped on the device (many in a row: the end)
-                        log(warning)
-                    metrics.write(step.at, {**step.values, **out.throughput.rates(step.flops, step.seconds)},
-                                  position.global_batch / step.seconds, warning is not None, step.ids)
+                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
             if saving or stopping:
                 began = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read

@@ -14,8 +14,8 @@ it trains. The loop's own torch calls (the loss, backward, clipping, the optimiz
     a step          sync_gradients (the accumulation's sync decision), mean_over_processes (the loss, on the
                     device), whole, not_finite (the skip of a step that is not finite, decided on the device),
                     mean_and_any (a step's one all-reduce and read), to_item
-    a log step      StepRows (the steps' values read at once), any_process (a stop agreed on), NonFiniteSteps (the
-                    end after many skipped steps)
+    a log step      StepRows (the steps' values read at once), any_process (a stop agreed on), write_steps (their
+                    rows, and NonFiniteSteps' warnings: the end after many skipped steps)
     save            Checkpointer.save, write_export (what other tools read)
     stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
 
@@ -130,6 +130,18 @@ def not_finite(loss, grad_norm):
     the flag fused AdamW skips its update by (`optimizer.found_inf`, as AMP's GradScaler hands it), and the EMA
     too, with nothing read to the host."""
     return (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
+
+
+def write_steps(steps, guard, metrics, throughput, global_batch):
+    """The steps read at a log step (StepRows.read): each one's row in the metrics, with its FLOP/s and images a
+    second, or for one whose update was skipped on the device the guard's warning (`guard`: NonFiniteSteps, which
+    ends the run after many in a row)."""
+    for step in steps:
+        warning = guard.skip(step.values["loss"], step.values["grad_norm"], step.at.step)
+        if warning:
+            metrics.log(warning)
+        metrics.write(step.at, {**step.values, **throughput.rates(step.flops, step.seconds)},
+                      global_batch / step.seconds, warning is not None, step.ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------

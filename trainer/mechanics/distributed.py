@@ -256,7 +256,7 @@ def whole(value):
 
 def to_item(value):
     """A scalar tensor's number, made whole first if it is a DTensor (e.g. a norm of sharded gradients)."""
-    return (value.full_tensor() if is_dtensor(value) else value).item()
+    return whole(value).item()
 
 
 # ----------------------------------------------------------------------------------------------------------------
