@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from model.file_io import atomic_write_text
+from model.recompute import Recomputed, draws_random
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and presets
@@ -495,12 +496,14 @@ class SD3Light(nn.Module):
             if torch.is_grad_enabled() else 0
         if self.block_swap is not None and torch.is_grad_enabled():
             recomputed = max(recomputed, self.block_swap.count)
+        # puts a recomputed block's node in the graph where none of its inputs needs a gradient (a LoRA's first)
+        anchor = torch.empty(0, device=x.device, requires_grad=True) if recomputed else None
         for i, block in enumerate(self.transformer_blocks):
             if route is not None and i == route.first:  # set the routed tokens aside
                 everything, index = x, route.keep[..., None].expand(-1, -1, x.shape[-1])
                 x = everything.gather(1, index)
             if i < recomputed:
-                x, context = checkpoint(block, x, context, temb, use_reentrant=False)
+                x, context = self.recomputed(block, x, context, temb, anchor)
             else:
                 x, context = block(x, context, temb)
             if route is not None and i == route.last:  # and put them back, unchanged, beside the kept ones
@@ -511,6 +514,14 @@ class SD3Light(nn.Module):
         h, w, C = H // p, W // p, self.config.output_channels
         x = x.view(B, h, w, p, p, C).permute(0, 5, 1, 3, 2, 4)
         return x.reshape(B, C, H, W)
+
+    def recomputed(self, block, x, context, temb, anchor):
+        """block(x, context, temb), recomputed in backward: a plain block (its own class and forward, not swapped) by
+        model/recompute.Recomputed, one autograd node; a sharded, compiled or swapped one by torch's non-reentrant
+        checkpoint, whose hooks FSDP, the compiler and block swap expect."""
+        if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
+            return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
+        return checkpoint(block, x, context, temb, use_reentrant=False)
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Strict by default; a mismatch raises one error that names every missing, unexpected or misshapen key."""

@@ -130,9 +130,17 @@ class FlowRecipe:
 
 def flow_matching_loss(model, components, batch, generator, recipe):
     """Encode (or read) the batch, drop captions, noise the latents at sampled sigmas and score the model's
-    velocity (weighted by the batch's masks, if it has them), as `recipe` (FlowRecipe) says. `generator` draws
-    the dropout, the latent sample, the noise, the sigmas and the routed tokens, in that order, so a resumed run
-    draws the same."""
+    velocity (weighted by the batch's masks, if it has them), as `recipe` (FlowRecipe) says: flow_inputs, then
+    flow_loss_of."""
+    return flow_loss_of(model, flow_inputs(model, components, batch, generator, recipe), recipe)
+
+
+def flow_inputs(model, components, batch, generator, recipe):
+    """A batch's part of the flow loss that is not the model's: its latents, text and masks on the model's device,
+    the captions dropped and the noise, sigmas and routed tokens drawn -> {name: tensor or None} for flow_loss_of.
+    `generator` draws the dropout, the latent sample, the noise, the sigmas and the routed tokens, in that order,
+    so a resumed run draws the same; they are drawn on the host, so a captured step (--cuda_graph) replays the
+    same random streams as an eager one."""
     device = next(model.parameters()).device
     with torch.no_grad():
         if "latents" in batch:  # from the cache
@@ -149,11 +157,21 @@ def flow_matching_loss(model, components, batch, generator, recipe):
     noise = to_device(torch.randn(latents.shape, generator=generator), device)
     s = to_device(sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
                                 shift=recipe.train_shift, generator=generator), device)
-    route = recipe.routing.draw(latents, generator)
+    mask = batch.get("mask")
+    return {"latents": latents, "tokens": tokens, "pooled": pooled, "noise": noise, "sigmas": s,
+            "mask": None if mask is None else mask.to(device, non_blocking=True),
+            "route": recipe.routing.draw(latents, generator)}
+
+
+def flow_loss_of(model, inputs, recipe):
+    """The flow loss of `inputs` (flow_inputs): the model's velocity at the noised latents, scored against the
+    target (weighted by the masks, if any) -> a scalar in fp32. Device work alone: what a CUDA graph captures."""
+    latents, noise, s = inputs["latents"], inputs["noise"], inputs["sigmas"]
     dtype = recipe.autocast
-    with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        pred = predict_velocity(model, add_noise(latents, noise, s), tokens, pooled, s, recipe.prediction, route)
-    return flow_loss(pred, latents, noise, s, recipe.loss, recipe.weighting, mask=batch.get("mask"))
+    with torch.autocast(latents.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        pred = predict_velocity(model, add_noise(latents, noise, s), inputs["tokens"], inputs["pooled"], s,
+                                recipe.prediction, inputs["route"])
+    return flow_loss(pred, latents, noise, s, recipe.loss, recipe.weighting, mask=inputs["mask"])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -235,6 +235,15 @@ def add_block_swap_args(parser):
                              "auto = the fewest for the memory estimate to fit this GPU (none on a CPU); 0 = none")
 
 
+def add_graph_args(parser):
+    """--cuda_graph (trainer/mechanics/step_graphs.py): the whole step captured once per shape and replayed. Free to
+    change on resume: a graphed step computes what an eager one does."""
+    parser.free.add_argument("--cuda_graph", default="auto", choices=["auto", "0", "1"], help="1 = capture the "
+                             "whole step (forward, backward, clipping, the optimizer) as a CUDA graph per shape of "
+                             "batch and replay it: the host no longer launches each operation (one GPU process, no "
+                             "block swap); auto = off until a GPU run has checked graphed steps against eager ones")
+
+
 def add_routing_args(parser):
     """Token routing (TREAD, model/token_routing.py): a random share of the image tokens skips a run of middle
     blocks in training forwards; sampling and the saved weights never route."""

@@ -13,8 +13,8 @@ resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM or Ctr
 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
-The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
-target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
+The two files it names: model/rectified_flow.py (the loss: flow_inputs and flow_loss_of, and the sigmas, noise and
+velocity target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
 """
 import os
 import sys
@@ -25,13 +25,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import BlockSwap, swap_request  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs, flow_loss_of  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_export_args, add_flow_args, add_optimizer_args,
-    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
-    add_weights_memory_args, positive_int,
+    SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_export_args, add_flow_args, add_graph_args,
+    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
+    add_validation_args, add_weights_memory_args, positive_int,
 )
+from trainer.mechanics.step_graphs import run_graphs  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
@@ -58,6 +59,7 @@ def parse_args(argv=None):
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
     add_weights_memory_args(parser)  # bf16 weights with stochastic rounding; the step fused into backward
     add_block_swap_args(parser)  # with the step fused into backward: the first blocks streamed from host memory
+    add_graph_args(parser)  # the step as a CUDA graph (auto: off for now)
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
     add_routing_args(parser)  # token routing (off)
@@ -154,6 +156,8 @@ def main(argv=None):
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
+    # --cuda_graph: the step captured as a CUDA graph, or eager; a step that cannot be: one line now
+    graphs = run_graphs(args.cuda_graph, info, learner, fused is not None, metrics.log)
     # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
@@ -163,7 +167,7 @@ def main(argv=None):
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
-    return train(args, info, position, data, learner, out, fused)
+    return train(args, info, position, data, learner, out, fused, graphs)
 
 
 def optimizers_for(args, model, swapped, info, log):
@@ -207,50 +211,59 @@ def outputs(args, info, position, learner, metrics, source, precision):
     return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator, fused, throughput):
-    """The step's micro-batches: the flow loss of each, backpropagated scaled so that the gradients accumulate to
-    their mean (DDP all-reduces them in the last one's backward) -> the sum of their losses. With `fused`
-    (StepInBackward) the backward steps every parameter, but where the loss is not finite (on the device). And
-    their FLOPs (`throughput`)."""
-    total, flops = 0.0, 0.0
-    for micro, batch in enumerate(batches):
+def accumulate(args, inputs, learner, fused):
+    """The step's micro-batches (flow_inputs each): the flow loss of each, backpropagated scaled so that the
+    gradients accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of their
+    losses, on the device. With `fused` (StepInBackward) the backward steps every parameter, but where the loss is
+    not finite (on the device)."""
+    total = 0.0
+    for micro, batch in enumerate(inputs):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
-        loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
+        loss = flow_loss_of(learner.train_model, batch, learner.recipe)
         if fused is not None:  # a step in backward cannot be taken back: none where the loss is not finite
             fused.watch(loss)
         (loss / args.accumulation_steps).backward()
-        total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
-        flops += throughput.flops(batch).model
-    return total, flops
+        total = total + loss.detach().double()  # on the device: read at the log step, after the all-reduce
+    return total
 
 
-def train(args, info, position, data, learner, out, fused):
+def train(args, info, position, data, learner, out, fused, graphs):
     """The loop, from `position` to the end of the schedule or a stop signal; `fused`: the StepInBackward that steps
-    each parameter in backward, or None. Between two log steps nothing is read to the host: a GPU runs ahead."""
+    each parameter in backward, or None. Between two log steps nothing is read to the host: a GPU runs ahead.
+    `graphs` (StepGraphs): where --cuda_graph 1, each shape's step captured at its third step and replayed after."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = list(learner.model.parameters())
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            total, flops = accumulate(args, batches, learner, position.generator, fused, out.throughput)
-            # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether either is
-            # not finite: all on the device, where the update and the EMA are skipped if so
-            loss = mean_over_processes(total / args.accumulation_steps, info)
-            if fused:  # stepped in backward, each parameter clipped alone: the norm before clipping
-                grad_norm = fused.grad_norm()
-            else:
-                grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-            skipped = not_finite(loss, grad_norm)
-            for optimizer in learner.optimizers if not fused else ():  # a fused run stepped them in backward
-                optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
-                optimizer.step()
+            # the data on the device and the step's random draws (noise, sigmas, caption dropout), made on the host
+            inputs = [flow_inputs(learner.model, learner.components, batch, position.generator, learner.recipe)
+                      for batch in batches]
+            flops = sum(out.throughput.flops(batch).model for batch in batches)
+            if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
+                with graphs.recording(inputs) as step_inputs:
+                    total = accumulate(args, step_inputs, learner, fused)  # each micro-batch's loss and backward
+                    # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether
+                    # either is not finite: all on the device, where the update and the EMA are skipped if so
+                    loss = mean_over_processes(total / args.accumulation_steps, info)
+                    if fused:  # stepped in backward, each parameter clipped alone: the norm before clipping
+                        grad_norm = fused.grad_norm()
+                    else:
+                        grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+                    skipped = not_finite(loss, grad_norm)
+                    for optimizer in learner.optimizers if not fused else ():  # fused: stepped in backward
+                        optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
+                        optimizer.step()
+                    for optimizer in learner.optimizers:
+                        optimizer.zero_grad(set_to_none=True)
+                    graphs.outputs(loss, grad_norm, skipped)
+            loss, grad_norm, skipped = graphs.run(inputs)  # a captured step replayed on these inputs
             if ema is not None:
                 ema.update(position.step, skipped)
-            for optimizer in learner.optimizers:
-                optimizer.zero_grad(set_to_none=True)
             position.end_step()
             rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
                      position.step_ids() if args.log_sample_ids else None)

@@ -1,0 +1,79 @@
+"""Graphed against eager: the LoRA and full fine-tune stages run the same steps with --cuda_graph 0 and 1, and this
+compares their losses step by step and times their steps. A CUDA GPU only: what `--cuda_graph auto` waits for.
+
+    python bench/bench_cuda_graphs.py --work /tmp/graphs                  # the tiny defaults, 20 steps each
+    python bench/bench_cuda_graphs.py --work /tmp/graphs --steps 40 --stages lora
+
+The main job's weights come first (trainer/train_pretrain.py, a few steps); each stage then runs from them twice,
+eager and graphed, with the same seed and data, a row a step in its metrics file (--log_interval 10). Both follow
+the same random streams (drawn on the host), so their losses should agree to the last bit; the bound this checks is
+one bf16 rounding of the loss (2^-8 relative), the noise a changed order of a reduction would make. The speeds
+are the median images a second of the metrics' rows after the capture (step 4 on).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = {"lora": ("trainer/train_lora.py", "lora_demo_tiny_metrics.jsonl"),
+          "sft": ("trainer/train_full_sft.py", "sft_tiny_metrics.jsonl")}
+BOUND = 2 ** -8  # one bf16 rounding, relative
+
+
+def run(script, out, save, extra, timeout):
+    command = [sys.executable, script, "--out_dir", out, "--save_dir", save, "--sample_interval", "0",
+               "--sample_steps", "1", *extra]
+    result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
+    if result.returncode:
+        sys.exit(f"{' '.join(command)} failed:\n{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return result.stdout
+
+
+def losses_and_speed(path):
+    """A metrics file -> (each step's loss, the median images a second after the capture)."""
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    rows = [row for row in rows if "loss" in row and row.get("loss") is not None]
+    speeds = [row["images_per_s"] for row in rows[3:] if row.get("images_per_s")]
+    return [row["loss"] for row in rows], statistics.median(speeds) if speeds else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", required=True, help="an empty folder for the runs")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--stages", nargs="*", default=list(STAGES), choices=list(STAGES))
+    parser.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
+    parser.add_argument("--modes", nargs=2, default=["0", "1"], help="the two --cuda_graph values compared (on a "
+                        "CPU, `0 auto` checks this script's plumbing)")
+    args = parser.parse_args()
+    work = os.path.abspath(args.work)
+    main_out = os.path.join(work, "out")
+    run("trainer/train_pretrain.py", main_out, os.path.join(work, "main_ckpt"), ["--max_steps", "4"], args.timeout)
+    print("| stage | steps | largest relative loss difference | within 2^-8 | eager images/s | graphed images/s | "
+          "captures logged |\n|---|---|---|---|---|---|---|")
+    for stage in args.stages:
+        script, metrics = STAGES[stage]
+        results, logs = {}, {}
+        for graph in args.modes:
+            out = os.path.join(work, f"{stage}_graph{graph}")
+            os.makedirs(out, exist_ok=True)
+            for name in os.listdir(main_out):  # the main job's weights, which the stage starts from
+                if not os.path.exists(os.path.join(out, name)):
+                    os.symlink(os.path.join(main_out, name), os.path.join(out, name))
+            logs[graph] = run(script, out, os.path.join(work, f"{stage}_ckpt{graph}"),
+                              ["--max_steps", str(args.steps), "--log_interval", "10", "--cuda_graph", graph],
+                              args.timeout)
+            results[graph] = losses_and_speed(os.path.join(out, metrics))
+        (eager, eager_speed), (graphed, graphed_speed) = (results[mode] for mode in args.modes)
+        worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, graphed))
+        captures = sum("CUDA graph " in line and "captured" in line for line in logs[args.modes[1]].splitlines())
+        agree = "yes" if worst <= BOUND and len(eager) == len(graphed) else "NO"
+        print(f"| {stage} | {len(eager)} | {worst:.2e} | {agree} | {eager_speed or float('nan'):.1f} | "
+              f"{graphed_speed or float('nan'):.1f} | {captures} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""A transformer block recomputed in backward (gradient checkpointing) at the cost of one autograd node.
+
+torch's non-reentrant checkpoint records the block's forward as autograd always does and runs a pack hook on every
+tensor that forward saves, an unpack hook on each in backward (about 120 each a block a step, each a Python call
+the GPU waits on at batch 1). `Recomputed` runs the block's forward without autograd and, in backward, again with
+it, then backpropagates through that copy alone: torch's reentrant variant, written for the block's
+(x, context, temb) -> (x, context) and for blocks whose inputs need no gradient (a LoRA's frozen first block: the
+`anchor` puts the node in the graph). The parameters' gradients accumulate inside that backward.
+
+SD3Light uses it for plain blocks only. FSDP's hooks (a sharded block), block swap's (model/block_swap.py) and
+compiled blocks are written against the first forward's graph: those keep torch's non-reentrant checkpoint.
+"""
+import torch
+import torch.nn as nn
+
+
+class Recomputed(torch.autograd.Function):
+    """block(x, context, temb) -> (x, context); forward keeps only the three inputs. `random`: the block draws
+    random numbers (dropout), so the recompute replays the forward's random state."""
+
+    @staticmethod
+    def forward(ctx, block, random, anchor, x, context, temb):
+        device = x.device.type
+        ctx.block, ctx.device = block, device
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.rng = random_state(x.device) if random else None
+        ctx.save_for_backward(x, context, temb)
+        return block(x, context, temb)
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_context):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        devices = [] if ctx.rng is None or ctx.device == "cpu" else [inputs[0].device]
+        with torch.enable_grad(), torch.random.fork_rng(devices, enabled=ctx.rng is not None), \
+                torch.autocast(ctx.device, dtype=ctx.autocast[1], enabled=ctx.autocast[0]):
+            if ctx.rng is not None:
+                set_random_state(ctx.rng, inputs[0].device)
+            outputs = ctx.block(*inputs)
+        pairs = [(out, grad) for out, grad in zip(outputs, (grad_x, grad_context))
+                 if out is not None and grad is not None and out.requires_grad]
+        torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+        return (None, None, None, *(t.grad if t.requires_grad else None for t in inputs))
+
+
+def random_state(device):
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def set_random_state(state, device):
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+def draws_random(block):
+    """Whether a block, in training, draws random numbers: a dropout with p > 0 in it (LoRA's --lora_dropout)."""
+    return block.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())

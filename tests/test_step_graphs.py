@@ -1,0 +1,113 @@
+"""--cuda_graph (trainer/mechanics/step_graphs.py) where a CPU can check it: which runs may capture their step and the
+one line of those that may not, the eager step unchanged where graphs are off, and the parts of the step a graph
+needs: the flow loss split into the host's draws and the device's work, and a recomputed block (model/recompute.py)
+that gives the gradients of torch's checkpoint with one autograd node. The capture itself needs a GPU:
+bench/bench_cuda_graphs.py checks graphed losses against eager ones there."""
+import pytest
+import torch
+
+import trainer.train_lora as train_lora
+from model.errors import UserError
+from model.model_lora import apply_lora, lora_parameters
+from model.model_sd3light import SD3Light
+from model.rectified_flow import FlowRecipe, flow_inputs, flow_loss_of, flow_matching_loss
+from tests.scripts import run_in_process
+from tests.conftest import CONFIGS, inputs, random_config, randomise
+from trainer.mechanics.step_graphs import StepGraphs, graphs_choice, graphs_refusal, shape_key
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+
+
+def refusal(**changes):
+    values = dict(device=CUDA, world_size=1, blocks_swapped=False, step_in_backward=False, routing=False,
+                  dropout_recomputed=False)
+    return graphs_refusal(**{**values, **changes})
+
+
+def test_which_steps_a_graph_may_capture_and_the_one_line_of_those_it_may_not():
+    assert refusal() is None
+    for change, words in [({"device": CPU}, "CUDA GPU"), ({"world_size": 2}, "several processes"),
+                          ({"blocks_swapped": True}, "block swap"), ({"step_in_backward": True}, "step in backward"),
+                          ({"routing": True}, "token routing"), ({"dropout_recomputed": True}, "LoRA dropout")]:
+        assert words in refusal(**change)
+    assert graphs_choice("1", None, CUDA) == (True, None)
+    with pytest.raises(UserError) as error:
+        graphs_choice("1", refusal(blocks_swapped=True), CUDA)
+    assert "--cuda_graph 1" in str(error.value) and "block swap" in str(error.value) and "\n" not in str(error.value)
+    on, line = graphs_choice("auto", None, CUDA)  # auto: off until a GPU run has checked graphs against eager
+    assert not on and "waits for a GPU run" in line
+    assert graphs_choice("auto", refusal(world_size=2), CUDA) == (False, "CUDA graphs: off (several processes "
+                                                                         "(their collectives are not captured here))")
+    assert graphs_choice("auto", refusal(device=CPU), CPU) == (False, None)  # a CPU run: unchanged, nothing said
+    assert graphs_choice("0", None, CUDA) == (False, None)
+
+
+def test_graphs_off_run_the_step_as_written_and_hand_back_its_outputs():
+    graphs = StepGraphs(False, CPU, print)
+    batch = [{"latents": torch.ones(1, 4, 2, 2), "mask": None}]
+    assert not graphs.captured(batch)
+    with graphs.recording(batch) as step_inputs:
+        assert step_inputs is batch  # no copy
+        loss = step_inputs[0]["latents"].sum()
+        graphs.outputs(loss, loss * 2)
+    assert graphs.run(batch) == (loss, loss * 2) and graphs.run(batch)[0] is loss
+    # a graph is captured for a layout: names, shapes and dtypes of each micro-batch
+    assert shape_key(batch) != shape_key([{"latents": torch.ones(1, 4, 2, 4), "mask": None}])
+    assert shape_key(batch) == shape_key([{"latents": torch.zeros(1, 4, 2, 2), "mask": None}])
+
+
+def test_the_flow_loss_is_its_host_draws_then_its_device_work():
+    config = random_config(4, qk_norm="rms_norm", num_layers=2, out_channels=None)  # out as in: the flow target
+    model = randomise(SD3Light(config), seed=2)
+
+    class Components:  # cached latents and text: what a training run's batches hold
+        text_encoders = [None, None]
+
+        def condition(self, features, drop):
+            return features["tokens"] * (~drop[:, :1, None]), features["pooled"]
+
+        def latents(self, features, generator):
+            return features["latents"]
+
+    latents, tokens, pooled, _ = inputs(config, (4, 4))
+    batch = {"latents": latents, "tokens": tokens, "pooled": pooled}
+    recipe = FlowRecipe(prediction="v", sigma_scheme="logit_normal", logit_mean=0.0, logit_std=1.0, train_shift=3.0,
+                        loss="mse", weighting="none", caption_dropout=0.3)
+    whole = flow_matching_loss(model, Components(), batch, torch.Generator().manual_seed(4), recipe)
+    drawn = flow_inputs(model, Components(), batch, torch.Generator().manual_seed(4), recipe)
+    assert all(v is None or v.device == latents.device for v in drawn.values() if v is not None)
+    assert torch.equal(flow_loss_of(model, drawn, recipe), whole)
+
+
+def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients():
+    """model/recompute.Recomputed on plain blocks; a compiled block's own forward keeps torch's checkpoint. A LoRA's
+    first block takes no input that needs a gradient: its adapters get theirs all the same; dropout's draws are
+    replayed in the recompute."""
+    config = CONFIGS["sd3.5-medium-like"]
+    grads = {}
+    for recomputed in (False, True, "torch"):
+        model = randomise(SD3Light(config), seed=5)
+        apply_lora(model, rank=4, dropout=0.2)
+        torch.manual_seed(1)
+        for p in lora_parameters(model):
+            p.data.normal_(std=0.1)
+        model.gradient_checkpointing = recomputed is not False
+        if recomputed == "torch":  # an instance forward (as torch.compile sets): torch's checkpoint
+            for block in model.transformer_blocks:
+                block.forward = block.forward
+        torch.manual_seed(7)
+        model(*inputs(config, (3, 3))).square().mean().backward()
+        grads[recomputed] = [p.grad for p in lora_parameters(model)]
+    assert all(g is not None for g in grads[True])
+    for mine, plain, torchs in zip(grads[True], grads[False], grads["torch"]):
+        torch.testing.assert_close(mine, plain, rtol=0, atol=1e-6)
+        torch.testing.assert_close(mine, torchs, rtol=0, atol=1e-6)
+
+
+def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained, monkeypatch):
+    with pytest.raises(UserError) as error:
+        run_in_process(train_lora, ["--cuda_graph", "1", "--from_weight", pretrained, "--out_dir",
+                                    str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt"), "--max_steps", "1"],
+                       monkeypatch)
+    assert "a CUDA GPU captures graphs" in str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())  # no step, no save
