@@ -1,7 +1,8 @@
 """How fast a training step runs, and why: the LoRA step and the full fine-tune's step of an SD3.5-Medium transformer
 (built from the preset, random weights, no files), at batch 1 and larger, with every block recomputed in backward,
 none, or what --gradient_checkpointing auto picks for a 24 GB card; token routing on and off; compiled blocks on
-and off; and diffusers' SD3Transformer2DModel with a peft LoRA on the same step.
+and off; the whole step as a CUDA graph (`_graph`, model/step_graphs.py as --cuda_graph 1 runs it; a GPU only); and
+diffusers' SD3Transformer2DModel with a peft LoRA on the same step.
 
     python bench/bench_throughput.py                          # GPU: 1024 px; every configuration, one process each
     python bench/bench_throughput.py --only lora_b1_none lora_b1_all diffusers_b1_all
@@ -12,14 +13,16 @@ without recompute / the card's dense bf16 peak, model/flops.py) and HFU (with it
 reserved (torch.cuda), the share of the step the GPU is busy (kernel time over wall time, torch.profiler), and
 the aten operations one step dispatches (forward, loss, backward, clipping, the optimizer step; a
 TorchDispatchMode counts them), and the optimizer's step alone: its seconds and its calls (one for fused AdamW,
-one compiled call a parameter tensor for torchao's). Each operation costs the host microseconds; at batch 1 on a large GPU the kernels
-finish sooner than the host launches them, so fewer operations is what makes the GPU the bottleneck there.
+one compiled call a parameter tensor for torchao's). Each operation costs the host microseconds; at batch 1 on a
+large GPU the kernels finish sooner than the host launches them, so fewer operations is what makes the GPU the
+bottleneck there, or a graph, which launches them all at once.
 
 On a CPU the same configurations run at the preset's structure (its 24 blocks, 13 with dual attention, qk norms)
 but a width of 64 (--cpu_width), so the counts are the GPU's at any resolution (routing aside) and the run takes
-minutes; the times are this CPU's and say little about a GPU. The step is the stages' own (the flow-matching
-loss of model/rectified_flow.py through model/model_lora.py's adapters or every weight, AdamW or 8-bit AdamW),
-written here from model/ because bench/ does not import trainer/.
+minutes; the times are this CPU's and say little about a GPU. A CPU without native bf16 products (no AVX512-BF16)
+computes them many times slower than fp32 ones: there --cpu_width 8 leaves the host's share of a step. The step
+is the stages' own (the flow-matching loss of model/rectified_flow.py through model/model_lora.py's adapters or
+every weight, AdamW or 8-bit AdamW), written here from model/ because bench/ does not import trainer/.
 """
 import argparse
 import collections
@@ -47,6 +50,7 @@ from model.memory import GIB, MemoryPlan, fitted_plan, kept_value_bytes  # noqa:
 from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
+from model.step_graphs import StepGraphs  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from model.token_routing import TokenRouting  # noqa: E402
 
@@ -65,11 +69,12 @@ class Config:
     route: float = 0.0
     compile: bool = False
     flat: bool = False  # the full fine-tune's 8-bit AdamW as model/flat_adamw.FlatAdamW (the stages' now)
+    graph: bool = False  # the whole step captured as a CUDA graph and replayed (model/step_graphs.py, --cuda_graph 1)
 
     @property
     def name(self):
         return f"{self.step}_b{self.batch}_{self.checkpointing}" + (f"_route{self.route:g}" if self.route else "") + \
-            ("_compile" if self.compile else "") + ("_flat" if self.flat else "")
+            ("_compile" if self.compile else "") + ("_flat" if self.flat else "") + ("_graph" if self.graph else "")
 
 
 CONFIGS = {c.name: c for c in [
@@ -82,7 +87,10 @@ CONFIGS = {c.name: c for c in [
     Config("sft", 1, "all"), Config("sft", 1, "auto"), Config("sft", 1, "auto", flat=True),
     Config("sft", 1, "auto", compile=True),
     Config("sft", 2, "auto", compile=True),
+    Config("lora", 1, "none", graph=True), Config("lora", 4, "auto", graph=True),
+    Config("sft", 1, "auto", flat=True, graph=True),
 ]}
+INPUT_NAMES = ("latents", "text", "pooled", "sigmas", "noise")  # a step's inputs (step_inputs), as a graph keeps them
 
 
 class OperationCount(TorchDispatchMode):
@@ -180,6 +188,21 @@ def train_step(model, params, optimizer, inputs, route, count=None):
     return loss
 
 
+def graphed_step(graphs, model, params, optimizer, inputs, route):
+    """train_step through `graphs` (StepGraphs; the stages' loop as written): eager for a shape's first steps,
+    then captured, and replayed after -> the loss. Graphs off: train_step itself."""
+    if not graphs.on:
+        return train_step(model, params, optimizer, inputs, route)
+    batch = [dict(zip(INPUT_NAMES, inputs))]
+    if not graphs.captured(batch):
+        with graphs.recording(batch) as static:
+            loss = gradients(model, params, [static[0][name] for name in INPUT_NAMES], route)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            graphs.outputs(loss)
+    return graphs.run(batch)[0]
+
+
 def gradients(model, params, inputs, route, count=None):
     """The step up to the optimizer's: the loss, backward, clipping -> the loss, detached."""
     latents, text, pooled, s, noise = inputs
@@ -221,6 +244,8 @@ def measure(settings, resolution, steps, cpu_width):
     if settings.step != "diffusers":
         model.gradient_checkpointing = blocks
     optimizer = optimizer_for(settings, params)
+    graphs = StepGraphs(settings.graph, device, print)
+    graphs.prepare([optimizer])
     routing = TokenRouting.for_model(config, settings.route, 2, -2) if settings.route else TokenRouting()
     generator = torch.Generator().manual_seed(1)
     inputs = step_inputs(config, settings.batch, resolution, device, steps + 5)
@@ -229,16 +254,17 @@ def measure(settings, resolution, steps, cpu_width):
     for batch in inputs[:steps]:
         sync()
         started = time.perf_counter()
-        train_step(model, params, optimizer, batch, routing.draw(batch[0], generator))
+        graphed_step(graphs, model, params, optimizer, batch, routing.draw(batch[0], generator))
         sync()
         times.append(time.perf_counter() - started)
     counted = OperationCount()  # compiled blocks run eager under it: their count is the eager one's
     train_step(model, params, optimizer, inputs[steps], routing.draw(inputs[steps][0], generator), counted)
     busy, kernels = (None, None) if device.type != "cuda" else \
-        gpu_busy(model, params, optimizer, inputs[steps + 1], routing.draw(inputs[steps + 1][0], generator))
+        gpu_busy(graphs, model, params, optimizer, inputs[steps + 1], routing.draw(inputs[steps + 1][0], generator))
     optimizer_s, optimizer_calls = optimizer_seconds(model, params, optimizer, inputs[steps + 2:],
                                                      routing.draw(inputs[steps + 2][0], generator), sync)
-    seconds = statistics.median(times[2:] if len(times) > 3 else times[1:] or times)  # after the warm-up
+    warm = 3 if settings.graph else 2  # the warm-up (and a graph's capture, at the third step)
+    seconds = statistics.median(times[warm:] if len(times) > warm + 1 else times[1:] or times)
     side = resolution // DOWNSCALE
     lora = (RANK, resolve_targets("attention")) if settings.step != "sft" else None
     flops = FlopCount(config, TEXT_TOKENS, routing, lora, blocks if settings.step != "diffusers" else
@@ -257,15 +283,15 @@ def measure(settings, resolution, steps, cpu_width):
     return row
 
 
-def gpu_busy(model, params, optimizer, inputs, route):
+def gpu_busy(graphs, model, params, optimizer, inputs, route):
     """The share of one step's wall time the GPU spends in kernels (torch.profiler; one stream, so they do not
-    overlap), and the kernels it launched."""
+    overlap), and the kernels it launched; a graphed step replayed (`graphs`)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         started = time.perf_counter()
-        train_step(model, params, optimizer, inputs, route)
+        graphed_step(graphs, model, params, optimizer, inputs, route)
         torch.cuda.synchronize()
         wall = time.perf_counter() - started
     kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
@@ -308,6 +334,9 @@ def main(argv=None):
         return
     rows = []
     for name in args.only or list(CONFIGS):  # each in a process of its own: its own peak memory, its own compile
+        if CONFIGS[name].graph and not torch.cuda.is_available():
+            rows.append({"config": name, "error": "a CUDA GPU captures graphs"})
+            continue
         command = [sys.executable, os.path.abspath(__file__), "--one", name, "--resolution", str(resolution),
                    "--steps", str(args.steps), "--cpu_width", str(args.cpu_width)]
         try:

@@ -426,8 +426,16 @@ def sampling_need(config, prompts, tokens, decode_bytes):
 
 
 def sampling_room(device):
-    """What a sample grid may take of a GPU now: AUTO_SHARE of its memory less what the run holds."""
-    return AUTO_SHARE * device_memory(device) - torch.cuda.memory_allocated(device)
+    """What a sample grid may take of a GPU now: AUTO_SHARE of its memory less what the run holds, counting the
+    free memory of CUDA graphs' pools (--cuda_graph: a captured step's temporaries), which only a replay reuses."""
+    return AUTO_SHARE * device_memory(device) - torch.cuda.memory_allocated(device) - graph_pools_free(device)
+
+
+def graph_pools_free(device):
+    """Bytes free in the private memory pools of CUDA graphs on `device` (none without a captured graph)."""
+    index = torch.device(device).index or 0
+    return sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+               if segment["device"] == index and tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -521,7 +521,8 @@ class SD3Light(nn.Module):
         checkpoint, whose hooks FSDP, the compiler and block swap expect."""
         if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
             return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
-        return checkpoint(block, x, context, temb, use_reentrant=False)
+        # the random state kept only where the block draws: a CUDA graph cannot capture the read of it
+        return checkpoint(block, x, context, temb, use_reentrant=False, preserve_rng_state=draws_random(block))
 
     def load_state_dict(self, state_dict, strict=True, assign=False):
         """Strict by default; a mismatch raises one error that names every missing, unexpected or misshapen key."""

@@ -1,4 +1,4 @@
-"""--cuda_graph (trainer/mechanics/step_graphs.py) where a CPU can check it: which runs may capture their step and the
+"""--cuda_graph (model/step_graphs.py) where a CPU can check it: which runs may capture their step and the
 one line of those that may not, the eager step unchanged where graphs are off, and the parts of the step a graph
 needs: the flow loss split into the host's draws and the device's work, and a recomputed block (model/recompute.py)
 that gives the gradients of torch's checkpoint with one autograd node. The capture itself needs a GPU:
@@ -13,7 +13,7 @@ from model.model_sd3light import SD3Light
 from model.rectified_flow import FlowRecipe, flow_inputs, flow_loss_of, flow_matching_loss
 from tests.scripts import run_in_process
 from tests.conftest import CONFIGS, inputs, random_config, randomise
-from trainer.mechanics.step_graphs import StepGraphs, graphs_choice, graphs_refusal, shape_key
+from model.step_graphs import StepGraphs, graphs_choice, graphs_refusal, shape_key
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -111,3 +111,20 @@ def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained,
                        monkeypatch)
     assert "a CUDA GPU captures graphs" in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())  # no step, no save
+
+
+def test_a_sample_grid_counts_the_memory_a_captured_step_keeps(monkeypatch):
+    """A graph's pool keeps its step's temporaries reserved between replays: a grid drawn beside it fits the rest."""
+    from model import memory
+
+    gib = 2 ** 30
+    segments = [{"device": 0, "total_size": 3 * gib, "allocated_size": 1 * gib, "segment_pool_id": (0, 0)},
+                {"device": 0, "total_size": 2 * gib, "allocated_size": 0, "segment_pool_id": (1, 0)},  # a graph's
+                {"device": 1, "total_size": 5 * gib, "allocated_size": 0, "segment_pool_id": (1, 0)}]  # another GPU
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 * gib)
+    monkeypatch.setattr(memory, "device_memory", lambda device: 10 * gib)
+    assert memory.graph_pools_free(CUDA) == 2 * gib
+    assert memory.sampling_room(CUDA) == memory.AUTO_SHARE * 10 * gib - 1 * gib - 2 * gib
+    segments[1]["segment_pool_id"] = (0, 0)  # no graph: as before
+    assert memory.sampling_room(CUDA) == memory.AUTO_SHARE * 10 * gib - 1 * gib

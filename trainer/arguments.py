@@ -236,7 +236,7 @@ def add_block_swap_args(parser):
 
 
 def add_graph_args(parser):
-    """--cuda_graph (trainer/mechanics/step_graphs.py): the whole step captured once per shape and replayed. Free to
+    """--cuda_graph (model/step_graphs.py): the whole step captured once per shape and replayed. Free to
     change on resume: a graphed step computes what an eager one does."""
     parser.free.add_argument("--cuda_graph", default="auto", choices=["auto", "0", "1"], help="1 = capture the "
                              "whole step (forward, backward, clipping, the optimizer) as a CUDA graph per shape of "

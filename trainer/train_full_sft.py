@@ -32,14 +32,13 @@ from trainer.arguments import (  # noqa: E402
     add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
     add_validation_args, add_weights_memory_args, positive_int,
 )
-from trainer.mechanics.step_graphs import run_graphs  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
     any_process, check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
     init_distributed, load_network, log_peak, lr_at, mean_over_processes, not_finite, resume_run, resumed_dtype,
-    run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, whole,
-    write_export, write_steps,
+    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients,
+    torch_dtype, whole, write_export, write_steps,
 )
 
 

@@ -42,22 +42,6 @@ def graphs_refusal(device, world_size, blocks_swapped, step_in_backward, routing
     return next((reason for refused, reason in reasons if refused), None)
 
 
-def run_graphs(choice, info, learner, step_in_backward, log):
-    """The StepGraphs of a run of `learner` (trainer_utils.FlowLearner) on `info`'s processes, --cuda_graph being
-    `choice`: on only where asked and the step can be captured; its optimizers prepared for capture."""
-    model = learner.model
-    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
-    refusal = graphs_refusal(info.device, info.world_size if not info.sharded else 2, model.block_swap is not None,
-                             step_in_backward, learner.recipe.routing.ratio > 0,
-                             dropout and model.gradient_checkpointing not in (False, 0))
-    on, line = graphs_choice(choice, refusal, info.device)
-    if line is not None:
-        log(line)
-    graphs = StepGraphs(on, info.device, log)
-    graphs.prepare(learner.optimizers)
-    return graphs
-
-
 def graphs_choice(choice, refusal, device):
     """--cuda_graph (auto, 0, 1) and graphs_refusal's answer -> (on, a line for the log or None). 1 where the step
     cannot be captured: a one-line UserError."""
@@ -83,7 +67,8 @@ def static_copy(inputs):
 
 class StepGraphs:
     """The captured steps of a run, by shape of their inputs, on `device` (--cuda_graph on), or nothing but the
-    eager step (`on` False: a CPU, --cuda_graph 0 or auto). `log`: where each capture is said."""
+    eager step (`on` False: a CPU, --cuda_graph 0 or auto). `log`: where each capture is said. A stage makes it
+    with trainer_utils.run_graphs; bench/bench_throughput.py with its own step."""
 
     def __init__(self, on, device, log):
         self.on, self.device, self.log = on, device, log
