@@ -7,11 +7,17 @@ base weight and bias keep their names (`...attn.to_q.weight`), and the adapter a
 and `.lora_B.weight`. Those are exactly the names of diffusers' LoRA interchange format once prefixed with
 `transformer.`, so a saved adapter loads with `StableDiffusion3Pipeline.load_lora_weights` and ComfyUI-style
 tools (../shared/REFERENCE.md section 4). The file records alpha, so the scale is exact everywhere.
+
+`apply_lora(..., adapter=Adapter("dora"))` puts DoRA layers on instead (DoRALinear: a LoRA plus a trained
+magnitude per input column, `.dora_scale`), `Adapter("lokr", factor)` LoKr layers (model/lokr.py: `.lokr_w1`,
+`.lokr_w2` or its low-rank pair, `.alpha`): the keys ComfyUI reads for each. The functions below take any of them.
 """
 import json
 import math
 import os
 import re
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -19,6 +25,7 @@ from safetensors import safe_open
 
 from model.checkpoint import remove_leftovers
 from model.file_io import write_safetensors
+from model.lokr import LoKrLinear
 
 
 # Module-name suffixes, matched against the last parts of each nn.Linear's path in the model.
@@ -29,6 +36,9 @@ TARGET_GROUPS = {
     "adaln": ("norm1.linear", "norm1_context.linear"),
 }
 DEFAULT_TARGETS = ("attention",)
+ADAPTER_KINDS = ("lora", "lokr", "dora")
+ADAPTER_SUFFIXES = (".dora_scale", ".lokr_w1", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".alpha")
+KIND_KEY = "minisd3_adapter"  # our metadata: the adapter's kind (and LoKr's factor), where it is not a plain LoRA
 FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and targets from
 
@@ -86,6 +96,8 @@ class LoRAMatmul(torch.autograd.Function):
 class LoRALinear(nn.Linear):
     """An nn.Linear (same weight and bias parameters, so the same state-dict names) plus a low-rank update."""
 
+    kind = "lora"
+
     def __init__(self, base, rank, alpha, dropout=0.0, device=None):
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate and initialise a weight we do not want
         self.in_features, self.out_features = base.in_features, base.out_features
@@ -106,6 +118,10 @@ class LoRALinear(nn.Linear):
         self._hooked = (self.lora_A.weight, self.lora_B.weight)
         for weight in self._hooked:
             weight.register_post_accumulate_grad_hook(self.forget_cast)
+
+    def adapter_tensors(self):
+        """{the file key's suffix: parameter}, in the order the optimizer holds them."""
+        return {"lora_A.weight": self.lora_A.weight, "lora_B.weight": self.lora_B.weight}
 
     def delta_weight(self):
         """scale * B @ A in fp32: the change this adapter makes to the base weight."""
@@ -176,6 +192,62 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
 
 
+class DoRALinear(LoRALinear):
+    """A LoRA whose merged weight is renormalised per input column (DoRA, weight-decomposed):
+
+        W' = (W + s B A) * m / (||W + s B A|| + eps),   m = dora_scale [1, in], trained
+
+    the norm over each input column and eps the weight dtype's: what ComfyUI's `weight_decompose` computes from the
+    file's `dora_scale` (../shared/REFERENCE.md section 18). A column's factor scales that input feature, so the
+    forward is the LoRA forward of x * m / (||W + s B A|| + eps). The norm is detached in backward, as the DoRA
+    paper and PEFT do (a constant of each step: no gradient through it, and no product of [out, in] kept for
+    backward). m starts at ||W|| + eps, so training starts at W."""
+
+    kind = "dora"
+
+    def __init__(self, base, rank, alpha, dropout=0.0, device=None):
+        if type(base.weight) not in (torch.Tensor, nn.Parameter):
+            raise ValueError(f"DoRA renormalises the base weight's columns, which a {type(base.weight).__name__} "
+                             "weight (int8) does not hold exactly: use --frozen_dtype bf16, or --adapter lora")
+        super().__init__(base, rank, alpha, dropout, device)
+        self.eps = torch.finfo(base.weight.dtype).eps
+        with torch.no_grad():
+            norm = base.weight.float().norm(dim=0, keepdim=True) + self.eps
+        self.dora_scale = nn.Parameter(norm.to(self.lora_A.weight.device))
+        self.strength = 1.0  # set_lora_scale's multiplier: ComfyUI's strength, W + strength (W' - W)
+
+    def adapter_tensors(self):
+        return {**super().adapter_tensors(), "dora_scale": self.dora_scale}
+
+    def column_scale(self):
+        """m / (||W + s B A|| + eps): [1, in] in fp32, the norm a constant (no gradient through it)."""
+        with torch.no_grad():
+            norm = (self.weight.float() + self.delta_weight()).norm(dim=0, keepdim=True) + self.eps
+        return self.dora_scale / norm
+
+    def forward(self, x):
+        if self.merged:
+            return nn.Linear.forward(self, x)
+        out = super().forward(x * self.column_scale().to(x.dtype))
+        if self.strength != 1.0:  # 0: the base weights exactly
+            base = nn.Linear.forward(self, x)
+            out = base + self.strength * (out - base)
+        return out
+
+    @torch.no_grad()
+    def merge(self):
+        if not self.merged:
+            weight = self.weight.float()
+            merged = (weight + self.delta_weight()) * self.column_scale()
+            self.weight.copy_((weight + self.strength * (merged - weight)).to(self.weight.dtype))
+            self.merged = True
+
+    def unmerge(self):
+        if self.merged:
+            raise ValueError("a merged DoRA layer cannot be unmerged (its renormalisation is not undone): load the "
+                             "base weights again")
+
+
 class AdapterCasts:
     """The adapters of a model's LoRA layers, cast to the compute dtype for a forward all at once: where a layer's
     cast is out of date, every layer whose cast is out of date too (after a step: all of them) is copied into its
@@ -226,11 +298,29 @@ def _matches(name, suffixes):
     return any(name == s or name.endswith("." + s) for s in suffixes)
 
 
-def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0, device=None):
-    """Freeze `model` and put a LoRA on every nn.Linear whose name ends with a target suffix, its adapters on
-    `device` (None: where each layer's weight is). -> the adapted module names. alpha defaults to rank (scale 1)."""
+@dataclass(frozen=True)
+class Adapter:
+    """Which update the adapted layers train: "lora", "dora" (LoRA with a magnitude per input column) or "lokr"
+    (a Kronecker product; `factor`: LyCORIS's split of each dimension, -1 = the most nearly square)."""
+    kind: str = "lora"
+    factor: int = -1
+
+
+def adapted_layer(base, rank, alpha, dropout, device, adapter):
+    """`base` (an nn.Linear) with an adapter of `adapter`'s kind on it."""
+    if adapter.kind == "lokr":
+        return LoKrLinear(base, rank, alpha, adapter.factor, dropout, device)
+    return (DoRALinear if adapter.kind == "dora" else LoRALinear)(base, rank, alpha, dropout, device)
+
+
+def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0, device=None, adapter=Adapter()):
+    """Freeze `model` and put an adapter (`adapter`: LoRA by default) on every nn.Linear whose name ends with a
+    target suffix, on `device` (None: where each layer's weight is). -> the adapted module names. alpha defaults to
+    rank (scale 1)."""
     if rank < 1:
         raise ValueError(f"LoRA rank must be at least 1, got {rank}")
+    if adapter.kind not in ADAPTER_KINDS:
+        raise ValueError(f"unknown adapter {adapter.kind!r}: use {', '.join(ADAPTER_KINDS)}")
     alpha = float(rank if alpha is None else alpha)
     suffixes = resolve_targets(targets)
     model.requires_grad_(False)
@@ -242,19 +332,34 @@ def apply_lora(model, targets=DEFAULT_TARGETS, rank=8, alpha=None, dropout=0.0, 
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer = LoRALinear(getattr(parent, child), rank, alpha, dropout, device)
-        layer.casts = casts
-        casts.layers.append(layer)
+        layer = adapted_layer(getattr(parent, child), rank, alpha, dropout, device, adapter)
+        if isinstance(layer, LoRALinear):
+            layer.casts = casts
+            casts.layers.append(layer)
         setattr(parent, child, layer)
     return names
 
 
 def lora_layers(model):
-    return {name: module for name, module in model.named_modules() if isinstance(module, LoRALinear)}
+    """{name: layer} of the adapted layers (LoRA, DoRA or LoKr)."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, (LoRALinear, LoKrLinear))}
 
 
 def lora_parameters(model):
-    return [p for layer in lora_layers(model).values() for p in (layer.lora_A.weight, layer.lora_B.weight)]
+    return [p for layer in lora_layers(model).values() for p in layer.adapter_tensors().values()]
+
+
+def adapter_kind(model):
+    """The kind of `model`'s adapters ("lora", "dora", "lokr"), or None without any."""
+    kinds = {layer.kind for layer in lora_layers(model).values()}
+    return kinds.pop() if len(kinds) == 1 else None if not kinds else "mixed"
+
+
+def state_kind(state):
+    """The kind of adapter a state dict in interchange names holds, from its keys."""
+    if any(".lokr_w" in key for key in state):
+        return "lokr"
+    return "dora" if any(key.endswith(".dora_scale") for key in state) else "lora"
 
 
 def set_lora_scale(model, multiplier):
@@ -263,7 +368,11 @@ def set_lora_scale(model, multiplier):
     for name, layer in lora_layers(model).items():
         if layer.merged:
             raise ValueError(f"{name} is merged: unmerge before changing the LoRA scale")
-        layer.scale = layer.alpha / layer.rank * multiplier
+        if isinstance(layer, DoRALinear):  # its update renormalises: blended with the base as ComfyUI does
+            layer.strength = multiplier
+            continue
+        # (a LoKr with no low-rank factor is not scaled by alpha / rank: ComfyUI's rule)
+        layer.scale = (layer.alpha / layer.rank if getattr(layer, "low_rank", True) else 1.0) * multiplier
 
 
 def merge_lora(model):
@@ -278,11 +387,8 @@ def unmerge_lora(model):
 
 def lora_state_dict(model):
     """The adapters in diffusers' interchange names: transformer.<module>.lora_A.weight / .lora_B.weight."""
-    state = {}
-    for name, layer in lora_layers(model).items():
-        state[f"{FILE_PREFIX}{name}.lora_A.weight"] = layer.lora_A.weight.detach()
-        state[f"{FILE_PREFIX}{name}.lora_B.weight"] = layer.lora_B.weight.detach()
-    return state
+    return {f"{FILE_PREFIX}{name}.{suffix}": tensor.detach() for name, layer in lora_layers(model).items()
+            for suffix, tensor in layer.adapter_tensors().items()}
 
 
 def lora_config(model):
@@ -290,17 +396,19 @@ def lora_config(model):
     layers = lora_layers(model)
     if not layers:
         raise ValueError("the model has no LoRA layers")
-    settings = {(layer.rank, layer.alpha) for layer in layers.values()}
+    settings = {(layer.rank, layer.alpha, layer.kind, getattr(layer, "factor", -1)) for layer in layers.values()}
     if len(settings) != 1:
         raise ValueError(f"LoRA layers with different rank/alpha {sorted(settings)}; one file holds one setting")
-    (rank, alpha), = settings
-    return {"rank": rank, "alpha": alpha, "target_modules": sorted(layers)}
+    (rank, alpha, kind, factor), = settings
+    return {"rank": rank, "alpha": alpha, "target_modules": sorted(layers), "kind": kind, "factor": factor}
 
 
 def file_metadata(config, record=None):
     """safetensors metadata: diffusers' adapter config (rank, alpha, targets) plus our own record."""
     adapter = {"r": config["rank"], "lora_alpha": config["alpha"], "target_modules": config["target_modules"]}
     metadata = {METADATA_KEY: json.dumps({FILE_PREFIX + k: v for k, v in adapter.items()})}
+    if config.get("kind", "lora") != "lora":
+        metadata[KIND_KEY] = json.dumps({"kind": config["kind"], "factor": config.get("factor", -1)})
     if record is not None:
         metadata["minisd3"] = json.dumps(record)
     return metadata
@@ -311,8 +419,9 @@ def config_from_metadata(metadata):
     if not metadata or METADATA_KEY not in metadata:
         raise ValueError("the LoRA file has no adapter metadata (rank, alpha, targets)")
     adapter = json.loads(metadata[METADATA_KEY])
+    kind = json.loads(metadata.get(KIND_KEY, '{"kind": "lora", "factor": -1}'))
     return {"rank": int(adapter[FILE_PREFIX + "r"]), "alpha": float(adapter[FILE_PREFIX + "lora_alpha"]),
-            "target_modules": list(adapter[FILE_PREFIX + "target_modules"])}
+            "target_modules": list(adapter[FILE_PREFIX + "target_modules"]), **kind}
 
 
 def check_lora_fits(own, state):
@@ -327,8 +436,12 @@ def check_lora_fits(own, state):
 
 
 def load_lora_state_dict(model, state):
-    """Copy interchange-format adapters into a model that already has them; strict: every key must match."""
+    """Copy interchange-format adapters into a model that already has them; strict: every key must match, and
+    the kind of adapter (a LoKr file does not load into DoRA layers)."""
     own = lora_state_dict(model)
+    if state_kind(state) != state_kind(own):
+        raise ValueError(f"the weights are {state_kind(state)} adapters, the model's are {state_kind(own)}: load "
+                         "them with the kind they were trained as (--adapter)")
     check_lora_fits(own, state)
     with torch.no_grad():
         for key, value in state.items():
@@ -361,10 +474,13 @@ def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False
         state = own
     check_lora_fits(own, state)
     config = lora_config(model)
-    scale = config["alpha"] / config["rank"] if fold_alpha else 1.0
+    scale = config["alpha"] / config["rank"] if fold_alpha and config["kind"] != "lokr" else 1.0
     if scale != 1.0:  # folded in fp32, before the cast to the file's dtype
         state = {k: v.float() * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
         config = {**config, "alpha": float(config["rank"])}
+    if config["kind"] == "lokr":  # ComfyUI reads a LoKr's alpha from a tensor beside its factors
+        state = {**state, **{f"{FILE_PREFIX}{name}.alpha": torch.tensor(float(config["alpha"]))
+                             for name in config["target_modules"]}}
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     return write_safetensors(path, tensors, metadata=file_metadata(config, record), float_dtype=dtype)
 
@@ -388,7 +504,7 @@ def read_lora_file(path):
     """-> (interchange state dict, adapter config, our record or None)."""
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
-        state = {k: f.get_tensor(k) for k in f.keys()}
+        state = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".alpha")}  # a LoKr's: in the metadata too
     record = json.loads(metadata["minisd3"]) if "minisd3" in metadata else None
     return state, config_from_metadata(metadata), record
 
@@ -402,14 +518,15 @@ def is_lora_file(path):
             keys = list(f.keys())
     except (OSError, ValueError, RuntimeError):
         return False
-    return bool(keys) and all(".lora_A." in k or ".lora_B." in k for k in keys)
+    return bool(keys) and all(".lora_A." in k or ".lora_B." in k or k.endswith(ADAPTER_SUFFIXES) for k in keys)
 
 
 def attach_lora(model, state, config, dropout=0.0):
     """Put adapters (a state dict and config as read_lora_file gives them) on `model`, adding the layers if it
     has none."""
     if not lora_layers(model):
-        apply_lora(model, config["target_modules"], config["rank"], config["alpha"], dropout)
+        apply_lora(model, config["target_modules"], config["rank"], config["alpha"], dropout,
+                   adapter=Adapter(config.get("kind", "lora"), config.get("factor", -1)))
     load_lora_state_dict(model, state)
 
 

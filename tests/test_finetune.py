@@ -29,7 +29,14 @@ STAGES = {
     "sft": (train_full_sft, "sft_tiny", sft_export, ["--num_samples", "24"]),
     "lora": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
                                                           "--ema_decay", "0.9"]),
+    # the other adapter kinds (model/lokr.py, model_lora.DoRALinear): their factors and magnitudes resume too
+    "lokr": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
+                                                          "--ema_decay", "0.9", "--adapter", "lokr"]),
+    "dora": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
+                                                          "--ema_decay", "0.9", "--adapter", "dora"]),
 }
+ADAPTER_KEYS = {"lora": (".lora_A.", ".lora_B."), "dora": (".lora_A.", ".lora_B.", ".dora_scale"),
+                "lokr": (".lokr_w1", ".lokr_w2")}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -54,8 +61,9 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
     # step 0 shows the starting weights; each run's last grid shows where it ended
     samples = os.listdir(tmp_path / "whole" / "out" / "samples")
     assert f"{name}_step000000.png" in samples and f"{name}_step000009.png" in samples
-    if stage == "lora":  # the resume file holds the adapters only, the export names its base weights
-        assert whole["model"] and all(".lora_A." in k or ".lora_B." in k for k in whole["model"])
+    if stage != "sft":  # the resume file holds the adapters only, the export names its base weights
+        assert whole["model"] and all(any(part in k for part in ADAPTER_KEYS[stage]) for k in whole["model"])
+        assert all(any(part in k for k in whole["model"]) for part in ADAPTER_KEYS[stage])
         assert len(whole["optimizer"]["state"]) == len(whole["model"])
         record = read_lora_file(str(tmp_path / "whole" / "out" / "lora" / "lora_demo_tiny.safetensors"))[2]
         assert record["base"]["weights"] == base and record["step"] == 9 and record["stage"] == "lora"

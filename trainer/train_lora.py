@@ -30,8 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
-    TARGET_GROUPS, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
+    ADAPTER_KINDS, TARGET_GROUPS, Adapter, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
 )
+from model.errors import UserError  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs, flow_loss_of  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
@@ -40,14 +41,13 @@ from trainer.arguments import (  # noqa: E402
     add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_float,
     positive_int, probability,
 )
-from trainer.mechanics.step_graphs import run_graphs  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
     adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
-    lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_main, run_precision,
-    set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, training_dataset, whole,
-    write_export, write_steps,
+    lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_graphs, run_main,
+    run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, training_dataset,
+    whole, write_export, write_steps,
 )
 
 
@@ -67,6 +67,11 @@ def parse_args(argv=None):
     recipe.add_argument("--lora_rank", type=positive_int, default=8)
     recipe.add_argument("--lora_alpha", type=positive_float, default=None, help="the update is scaled by "
                         "alpha/rank; default: rank (scale 1)")
+    recipe.add_argument("--adapter", default="lora", choices=list(ADAPTER_KINDS), help="lora; dora = LoRA with a "
+                        "trained magnitude per input column (the weight renormalised); lokr = a Kronecker product of "
+                        "two small factors (LyCORIS's), the second low-rank where --lora_rank is below half its side")
+    recipe.add_argument("--lokr_factor", type=int, default=-1, help="with --adapter lokr: split each dimension with "
+                        "this factor where it divides it; -1 = the most nearly square split")
     recipe.add_argument("--lora_dropout", type=probability, default=0.0)
     recipe.add_argument("--lora_targets", default="attention", help=f"comma-separated groups "
                         f"({', '.join(TARGET_GROUPS)}) or module name suffixes (e.g. to_q,to_v)")
@@ -129,10 +134,23 @@ def prior_dataset(args, settings, components, config, log):
 def memory_plan(args, config):
     """What the memory estimate weighs (model/memory.py): the adapters on a frozen transformer of `config` (a bad
     --lora_targets: one line), AdamW on them, the EMA, one micro-batch, and the blocks swapped (--fsdp 1: one line)."""
-    adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha)
+    adapters = adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha,
+                             Adapter(args.adapter, args.lokr_factor))
     return MemoryPlan((adapters,), "adamw", args.ema_decay > 0, args.ema_device, args.batch_size, args.resolution,
                       args.gradient_checkpointing,
                       blocks_to_swap=swap_request(args.blocks_to_swap, bool(args.fsdp), None, config.num_layers))
+
+
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
+
+
+def check_adapter(args, frozen):
+    """--adapter dora on an int8 base, or a LoKr or DoRA sharded: one line before any work."""
+    if args.adapter == "dora" and frozen == "int8":
+        raise UserError("--adapter dora renormalises the base weight's columns, which int8 weights do not hold "
+                        "exactly: use --frozen_dtype bf16, or --adapter lora")
+    if args.adapter != "lora" and args.fsdp:
+        raise UserError(f"--adapter {args.adapter} does not shard yet: use DDP (--fsdp 0) or --adapter lora")
 
 
 def main(argv=None):
@@ -150,6 +168,7 @@ def main(argv=None):
     for line in precision.notes:
         metrics.log(line)
     metrics.log(f"recipe: {args.recipe_note}")
+    check_adapter(args, precision.frozen)  # what an adapter kind does not go with: one line now
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
     # The base weights' record and components; the data with the prior data alongside, and its cache (the text
@@ -167,10 +186,11 @@ def main(argv=None):
         return None
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
     model = adapted_frozen(source, precision.frozen, info, plan.blocks_to_swap,
-                           (args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout), metrics.log)
+                           (args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout,
+                            Adapter(args.adapter, args.lokr_factor)), metrics.log)
     model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
-    metrics.log(f"LoRA rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
+    metrics.log(f"{ADAPTER_NAMES[args.adapter]} rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
                 f"{precision.frozen})")
 

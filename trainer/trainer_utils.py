@@ -39,10 +39,11 @@ from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.block_swap import BlockSwap
 from model.errors import UserError, run_main
 from model.memory import MemoryPlan, fit_memory, peak_rss
-from model.model_lora import apply_lora, is_lora_file
+from model.model_lora import Adapter, apply_lora, is_lora_file
 from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler
+from model.step_graphs import StepGraphs, graphs_choice, graphs_refusal
 from model.token_routing import TokenRouting
 from model.weights import WEIGHT_STAGES, diffusers_source, load_transformer, run_name, weights_source
 from trainer.mechanics.checkpointer import (
@@ -132,6 +133,21 @@ def not_finite(loss, grad_norm):
     return (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
 
 
+def run_graphs(choice, info, learner, step_in_backward, log):
+    """The StepGraphs (model/step_graphs.py) of a run of `learner` on `info`'s processes, --cuda_graph being
+    `choice`: on only where asked and the step can be captured (one line where asked and it cannot: UserError);
+    `step_in_backward`: the full fine-tune's parameters stepped in backward (not captured)."""
+    model = learner.model
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    refusal = graphs_refusal(info.device, info.world_size if not info.sharded else 2, model.block_swap is not None,
+                             step_in_backward, learner.recipe.routing.ratio > 0,
+                             dropout and model.gradient_checkpointing not in (False, 0))
+    on, line = graphs_choice(choice, refusal, info.device)
+    if line is not None:
+        log(line)
+    return StepGraphs(on, info.device, log)
+
+
 def write_steps(steps, guard, metrics, throughput, global_batch):
     """The steps read at a log step (StepRows.read): each one's row in the metrics, with its FLOP/s and images a
     second, or for one whose update was skipped on the device the guard's warning (`guard`: NonFiniteSteps, which
@@ -209,24 +225,25 @@ def load_network(source, role, frozen_dtype, info, trained_dtype="fp32", swapped
 
 
 def adapted_frozen(source, frozen_dtype, info, swapped, adapters, log):
-    """The frozen transformer of `source` (load_network's) with LoRA `adapters` (targets, rank, alpha, dropout) on
-    it; its first `swapped` blocks' weights in host memory, streamed to the device one block ahead of their use
-    (model/block_swap.py), the adapters of those blocks drawn on the device all the same. `log`: where block
-    swap's warning goes."""
+    """The frozen transformer of `source` (load_network's) with `adapters` (targets, rank, alpha, dropout, and
+    optionally the kind: model_lora.Adapter, LoRA by default) on it; its first `swapped` blocks' weights in host
+    memory, streamed to the device one block ahead of their use (model/block_swap.py), the adapters of those blocks
+    drawn on the device all the same. `log`: where block swap's warning goes."""
     model = load_network(source, "frozen", frozen_dtype, info, swapped=swapped)
-    apply_lora(model, *adapters, info.device if swapped else None)
+    targets, rank, alpha, dropout, *kind = adapters
+    apply_lora(model, targets, rank, alpha, dropout, info.device if swapped else None, *kind)
     if swapped:
         model.block_swap = BlockSwap(model.transformer_blocks, swapped, info.device, log=log)
     return model
 
 
-def adapter_count(config, targets, rank, alpha):
-    """The trainable parameters LoRA adapters of `rank` (and `alpha`) on `targets` put on a transformer of
-    `config`, counted on one with no memory (the meta device): a bad target is one line before any weight is
-    read."""
+def adapter_count(config, targets, rank, alpha, adapter=Adapter()):
+    """The trainable parameters adapters (`adapter`: LoRA by default) of `rank` (and `alpha`) on `targets` put on
+    a transformer of `config`, counted on one with no memory (the meta device): a bad target is one line before
+    any weight is read."""
     probe = meta_model(config).requires_grad_(False)
     try:
-        apply_lora(probe, targets, rank, alpha)
+        apply_lora(probe, targets, rank, alpha, 0.0, None, adapter)
     except ValueError as e:
         raise UserError(f"--lora_targets {targets}: {e}") from None
     return sum(p.numel() for p in probe.parameters() if p.requires_grad)
