@@ -40,7 +40,7 @@ def losses_and_speed(path):
     return [row["loss"] for row in rows], statistics.median(speeds) if speeds else None
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", required=True, help="an empty folder for the runs")
     parser.add_argument("--steps", type=int, default=20)
@@ -48,7 +48,7 @@ def main():
     parser.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
     parser.add_argument("--modes", nargs=2, default=["0", "1"], help="the two --cuda_graph values compared (on a "
                         "CPU, `0 auto` checks this script's plumbing)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = os.path.abspath(args.work)
     main_out = os.path.join(work, "out")
     run("trainer/train_pretrain.py", main_out, os.path.join(work, "main_ckpt"), ["--max_steps", "4"], args.timeout)

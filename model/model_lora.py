@@ -111,6 +111,7 @@ class LoRALinear(nn.Linear):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.merged = False
         self._cast = None  # the adapters cast for the forward: adapters_in
+        self.cast_once = True  # False (a CUDA graph's step): cast at each forward, which a replay then repeats
         self._cast_buffers = {}  # (dtype, device) -> the buffers a plain layer's adapters are cast into, made once
         self.casts = AdapterCasts([self])  # apply_lora makes one for all the model's layers
         # a fused optimizer steps them without touching their version counters: the cast is forgotten once
@@ -149,8 +150,9 @@ class LoRALinear(nn.Linear):
         """(A^T, B^T, A, B) in `dtype`, cast once for a forward and its recompute, not at every call: the cast is
         forgotten when backward has their gradients (forget_cast) or something writes them (a load: their version
         counters); then the casts of every layer that forgot its own are made again at once (AdapterCasts).
-        Inside a compiled graph, cast there (the compiler fuses it)."""
-        if torch.compiler.is_compiling():
+        Inside a compiled graph, cast there (the compiler fuses it); in a CUDA graph's step at each forward
+        (`cast_once` False: a replay runs no hook that would forget a cast, so one kept would go stale)."""
+        if torch.compiler.is_compiling() or not self.cast_once:
             a, b = self.lora_A.weight.to(dtype), self.lora_B.weight.to(dtype)
             return a.t(), b.t(), a, b
         if not self.cast_current(dtype):
@@ -197,8 +199,8 @@ class DoRALinear(LoRALinear):
 
         W' = (W + s B A) * m / (||W + s B A|| + eps),   m = dora_scale [1, in], trained
 
-    the norm over each input column and eps the weight dtype's: what ComfyUI's `weight_decompose` computes from the
-    file's `dora_scale` (../shared/REFERENCE.md section 18). A column's factor scales that input feature, so the
+    the norm over each input column and eps fp32's: what ComfyUI's `weight_decompose` computes from the file's
+    `dora_scale` (../shared/REFERENCE.md section 18). A column's factor scales that input feature, so the
     forward is the LoRA forward of x * m / (||W + s B A|| + eps). The norm is detached in backward, as the DoRA
     paper and PEFT do (a constant of each step: no gradient through it, and no product of [out, in] kept for
     backward). m starts at ||W|| + eps, so training starts at W."""
@@ -210,7 +212,7 @@ class DoRALinear(LoRALinear):
             raise ValueError(f"DoRA renormalises the base weight's columns, which a {type(base.weight).__name__} "
                              "weight (int8) does not hold exactly: use --frozen_dtype bf16, or --adapter lora")
         super().__init__(base, rank, alpha, dropout, device)
-        self.eps = torch.finfo(base.weight.dtype).eps
+        self.eps = torch.finfo(torch.float32).eps  # ComfyUI decomposes an fp32 copy of the weight: fp32's
         with torch.no_grad():
             norm = base.weight.float().norm(dim=0, keepdim=True) + self.eps
         self.dora_scale = nn.Parameter(norm.to(self.lora_A.weight.device))
@@ -228,7 +230,7 @@ class DoRALinear(LoRALinear):
     def forward(self, x):
         if self.merged:
             return nn.Linear.forward(self, x)
-        out = super().forward(x * self.column_scale().to(x.dtype))
+        out = super().forward((x * self.column_scale()).to(x.dtype))  # one rounding: of the scaled input
         if self.strength != 1.0:  # 0: the base weights exactly
             base = nn.Linear.forward(self, x)
             out = base + self.strength * (out - base)

@@ -78,15 +78,15 @@ class StepGraphs:
 
     def prepare(self, optimizers):
         """Optimizers a graph can step: their learning rates in tensors on the device, which the stage's set_lr
-        fills (a rate held as a number would be fixed in the graph at its capture), and capturable."""
+        fills (a rate held as a number would be fixed in the graph at its capture), and capturable. -> self"""
         if not self.on:
-            return
+            return self
         for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                if not isinstance(group["lr"], torch.Tensor):
-                    group["lr"] = torch.tensor(float(group["lr"]), device=self.device)
+            for group in optimizer.param_groups:  # (a resumed rate may be a tensor in host memory: moved too)
+                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32, device=self.device)
                 if "capturable" in group:
                     group["capturable"] = True
+        return self
 
     def captured(self, inputs):
         return self.on and shape_key(inputs) in self.graphs
@@ -109,7 +109,8 @@ class StepGraphs:
         torch.cuda.synchronize(self.device)
         self.capturing = True
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the data loader's pinning thread may allocate while the step is captured
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 yield static
         finally:
             self.capturing = False

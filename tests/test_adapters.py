@@ -46,7 +46,7 @@ def merged_formula(layer):
         return W + layer.scale * torch.kron(layer.lokr_w1, w2)
     merged = W + layer.scale * layer.lora_B.weight @ layer.lora_A.weight
     if isinstance(layer, DoRALinear):
-        norm = merged.detach().norm(dim=0, keepdim=True) + torch.finfo(layer.weight.dtype).eps
+        norm = merged.detach().norm(dim=0, keepdim=True) + torch.finfo(torch.float32).eps  # ComfyUI's
         return merged * layer.dora_scale / norm
     return merged
 

@@ -58,6 +58,9 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
     for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
+    with open(tmp_path / "whole" / "out" / f"{name}_metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if '"loss"' in line]
+    assert rows and all(row["tflop_s"] > 0 and row["mfu"] > 0 for row in rows)  # each step's FLOPs counted
     # step 0 shows the starting weights; each run's last grid shows where it ended
     samples = os.listdir(tmp_path / "whole" / "out" / "samples")
     assert f"{name}_step000000.png" in samples and f"{name}_step000009.png" in samples

@@ -8,7 +8,7 @@ import torch
 
 import trainer.train_lora as train_lora
 from model.errors import UserError
-from model.model_lora import apply_lora, lora_parameters
+from model.model_lora import apply_lora, lora_layers, lora_parameters
 from model.model_sd3light import SD3Light
 from model.rectified_flow import FlowRecipe, flow_inputs, flow_loss_of, flow_matching_loss
 from tests.scripts import run_in_process
@@ -128,3 +128,39 @@ def test_a_sample_grid_counts_the_memory_a_captured_step_keeps(monkeypatch):
     assert memory.sampling_room(CUDA) == memory.AUTO_SHARE * 10 * gib - 1 * gib - 2 * gib
     segments[1]["segment_pool_id"] = (0, 0)  # no graph: as before
     assert memory.sampling_room(CUDA) == memory.AUTO_SHARE * 10 * gib - 1 * gib
+
+
+def test_a_recomputed_block_under_autograd_grad_gives_the_inputs_gradient_and_touches_no_parameter():
+    """Distillation's GAN loss asks torch.autograd.grad for a sample's gradient through recomputed blocks: the
+    answer is the unrecomputed model's, and no parameter's .grad is written (their optimizer would step on it)."""
+    config = CONFIGS["sd3.5-medium-like"]
+    grads = []
+    for recomputed in (False, True):
+        model = randomise(SD3Light(config), seed=6)
+        model.gradient_checkpointing = recomputed
+        x, *rest = inputs(config, (3, 3))
+        x.requires_grad_(True)
+        grads.append(torch.autograd.grad(model(x, *rest).square().mean(), x)[0])
+        assert all(p.grad is None for p in model.parameters())
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=1e-6)
+
+
+def test_graphs_prepare_the_rates_as_device_tensors_and_lora_casts_at_each_forward():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.AdamW(params, lr=0.1)
+    optimizer.param_groups[0]["capturable"] = False
+    graphs = StepGraphs(True, torch.device("meta"), print)  # (meta: a device that is not the host's)
+    graphs.prepare([optimizer])
+    group = optimizer.param_groups[0]
+    assert group["lr"].device.type == "meta" and group["lr"].dtype == torch.float32 and group["capturable"]
+    group["lr"] = torch.tensor(0.2)  # a resume's rate, read into host memory: moved too
+    graphs.prepare([optimizer])
+    assert group["lr"].device.type == "meta"
+    # a LoRA layer in a graphed step casts its adapters at each forward: a replay repeats the cast, no hook runs
+    model = SD3Light(CONFIGS["plain-a"])
+    apply_lora(model, rank=2)
+    layer = next(iter(lora_layers(model).values()))
+    layer.cast_once = False
+    layer.adapters_in(torch.bfloat16)
+    layer.lora_A.weight.data.add_(1.0)  # as a fused step writes it: no version change, no hook
+    assert torch.equal(layer.adapters_in(torch.bfloat16)[2], layer.lora_A.weight.to(torch.bfloat16))

@@ -27,6 +27,7 @@ import sys
 import torch
 
 from dataset.training_data import DataSettings
+from model.model_lora import ADAPTER_KINDS, TARGET_GROUPS
 from model.model_sd3light import PUBLISHED_PRESETS
 from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
@@ -115,6 +116,12 @@ class StageParser(argparse.ArgumentParser):
         if given.get("fsdp") and given.get("ema_device") == "cpu":  # its shards would keep a GPU mesh: refused
             self.error("--ema_device cpu does not go with --fsdp 1: FSDP shards the EMA like the weights (1/N of it "
                        "on each GPU) and gathers it there; leave --ema_device auto")
+        adapter = given.get("adapter", "lora")
+        if adapter == "dora" and given.get("frozen_dtype") == "int8":
+            self.error("--adapter dora renormalises the base weight's columns, which int8 weights do not hold "
+                       "exactly: use --frozen_dtype bf16, or --adapter lora")
+        if adapter != "lora" and given.get("fsdp"):
+            self.error(f"--adapter {adapter} does not shard yet: use DDP (--fsdp 0), or --adapter lora")
         type(args).data_settings = filled(DataSettings, given)
         return args, rest
 
@@ -170,6 +177,7 @@ positive_float = checked(float, lambda v: v > 0 and not math.isnan(v), "a number
 non_negative_float = checked(float, lambda v: v >= 0 and not math.isnan(v), "a number >= 0")
 finite_float = checked(float, math.isfinite, "a finite number")
 probability = checked(float, lambda v: 0 <= v <= 1, "a number from 0 to 1")
+lokr_factor = checked(int, lambda v: v == -1 or v >= 1, "-1 (the most nearly square split) or a whole number >= 1")
 decay = checked(float, lambda v: 0 <= v < 1, "a number from 0 up to (not including) 1")
 switch = checked(int, lambda v: v in (0, 1), "0 or 1")
 
@@ -233,6 +241,22 @@ def add_block_swap_args(parser):
                              "of the transformer's first blocks in host memory (pinned), each copied to the GPU one "
                              "block ahead of its use and recomputed in backward: a small card trains a large model; "
                              "auto = the fewest for the memory estimate to fit this GPU (none on a CPU); 0 = none")
+
+
+def add_adapter_args(parser):
+    """The LoRA stage's adapters (model/model_lora.py, model/lokr.py): their kind, rank, alpha, dropout, targets."""
+    a = parser.recipe.add_argument
+    a("--adapter", default="lora", choices=list(ADAPTER_KINDS), help="lora; dora = LoRA with a trained magnitude per "
+      "input column (the weight renormalised); lokr = a Kronecker product of two small factors (LyCORIS's), the "
+      "second low-rank where --lora_rank is below half its side")
+    a("--lora_rank", type=positive_int, default=8)
+    a("--lora_alpha", type=positive_float, default=None, help="the update is scaled by alpha/rank; default: rank "
+      "(scale 1)")
+    a("--lokr_factor", type=lokr_factor, default=-1, help="with --adapter lokr: split each dimension with this factor "
+      "where it divides it; -1 = the most nearly square split")
+    a("--lora_dropout", type=probability, default=0.0)
+    a("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or module "
+      "name suffixes (e.g. to_q,to_v)")
 
 
 def add_graph_args(parser):

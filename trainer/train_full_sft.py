@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import BlockSwap, swap_request  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs, flow_loss_of  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_export_args, add_flow_args, add_graph_args,
@@ -37,8 +37,8 @@ from trainer.trainer_utils import (  # noqa: E402
     Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
     any_process, check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
     init_distributed, load_network, log_peak, lr_at, mean_over_processes, not_finite, resume_run, resumed_dtype,
-    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients,
-    torch_dtype, whole, write_export, write_steps,
+    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero,
+    sync_gradients, torch_dtype, whole, write_export, write_steps,
 )
 
 
@@ -154,9 +154,8 @@ def main(argv=None):
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
-    learner = FlowLearner(model, train_model, optimizers, ema, components, recipe)
-    # --cuda_graph: the step captured as a CUDA graph, or eager; a step that cannot be: one line now
-    graphs = run_graphs(args.cuda_graph, info, learner, fused is not None, metrics.log)
+    graphs = run_graphs(args.cuda_graph, info, model, routing, fused is not None, metrics.log)  # or one line
+    learner = FlowLearner(model, train_model, optimizers, ema, components, recipe, graphs)
     # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
@@ -166,7 +165,7 @@ def main(argv=None):
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
-    return train(args, info, position, data, learner, out, fused, graphs)
+    return train(args, info, position, data, learner, out, fused)
 
 
 def optimizers_for(args, model, swapped, info, log):
@@ -226,33 +225,27 @@ def accumulate(args, inputs, learner, fused):
     return total
 
 
-def train(args, info, position, data, learner, out, fused, graphs):
+def train(args, info, position, data, learner, out, fused):
     """The loop, from `position` to the end of the schedule or a stop signal; `fused`: the StepInBackward that steps
-    each parameter in backward, or None. Between two log steps nothing is read to the host: a GPU runs ahead.
-    `graphs` (StepGraphs): where --cuda_graph 1, each shape's step captured at its third step and replayed after."""
-    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
-    params = list(learner.model.parameters())
+    each parameter in backward, or None. Between log steps nothing is read to the host: a GPU runs ahead (with
+    --cuda_graph 1, learner.graphs: each shape's step captured at its third step, replayed after)."""
+    metrics, log, ema, params = out.metrics, out.metrics.log, learner.ema, list(learner.model.parameters())
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
-    graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
+    graphs = learner.graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            # the data on the device and the step's random draws (noise, sigmas, caption dropout), made on the host
-            inputs = [flow_inputs(learner.model, learner.components, batch, position.generator, learner.recipe)
-                      for batch in batches]
-            flops = sum(out.throughput.flops(batch).model for batch in batches)
+            inputs, flops = step_inputs(batches, learner, position.generator, out.throughput)  # the host's draws
             if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
-                with graphs.recording(inputs) as step_inputs:
-                    total = accumulate(args, step_inputs, learner, fused)  # each micro-batch's loss and backward
-                    # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether
-                    # either is not finite: all on the device, where the update and the EMA are skipped if so
+                with graphs.recording(inputs) as recorded:
+                    total = accumulate(args, recorded, learner, fused)  # each micro-batch's loss and backward
+                    # the loss, the gradients' norm (clipped; stepped in backward: each parameter alone, the norm
+                    # before), whether either is not finite: on the device, where the update and EMA skip if so
                     loss = mean_over_processes(total / args.accumulation_steps, info)
-                    if fused:  # stepped in backward, each parameter clipped alone: the norm before clipping
-                        grad_norm = fused.grad_norm()
-                    else:
-                        grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+                    grad_norm = fused.grad_norm() if fused else \
+                        whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
                     skipped = not_finite(loss, grad_norm)
                     for optimizer in learner.optimizers if not fused else ():  # fused: stepped in backward
                         optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1

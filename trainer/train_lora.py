@@ -30,24 +30,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
-    ADAPTER_KINDS, TARGET_GROUPS, Adapter, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
+    Adapter, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
 )
-from model.errors import UserError  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
-from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs, flow_loss_of  # noqa: E402
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_flow_args, add_graph_args, add_optimizer_args,
-    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_float,
-    positive_int, probability,
+    SAVE_DTYPES, StageParser, add_adapter_args, add_block_swap_args, add_data_args, add_flow_args, add_graph_args,
+    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
+    positive_int,
 )
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
     adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
     lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_graphs, run_main,
-    run_precision, set_lr, stage_data, start_weights_source, step_zero, sync_gradients, torch_dtype, training_dataset,
-    whole, write_export, write_steps,
+    run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero, sync_gradients, torch_dtype,
+    training_dataset, whole, write_export, write_steps,
 )
 
 
@@ -64,21 +63,11 @@ def parse_args(argv=None):
     recipe.add_argument("--from_weight", default="pretrain", help="base weights: a stage name in --out_dir "
                         "('pretrain' = pretrain_<preset>, 'sft' = sft_<preset>), the path of a weights manifest or "
                         "of a diffusers folder, or 'base' = --base's transformer")
-    recipe.add_argument("--lora_rank", type=positive_int, default=8)
-    recipe.add_argument("--lora_alpha", type=positive_float, default=None, help="the update is scaled by "
-                        "alpha/rank; default: rank (scale 1)")
-    recipe.add_argument("--adapter", default="lora", choices=list(ADAPTER_KINDS), help="lora; dora = LoRA with a "
-                        "trained magnitude per input column (the weight renormalised); lokr = a Kronecker product of "
-                        "two small factors (LyCORIS's), the second low-rank where --lora_rank is below half its side")
-    recipe.add_argument("--lokr_factor", type=int, default=-1, help="with --adapter lokr: split each dimension with "
-                        "this factor where it divides it; -1 = the most nearly square split")
-    recipe.add_argument("--lora_dropout", type=probability, default=0.0)
-    recipe.add_argument("--lora_targets", default="attention", help=f"comma-separated groups "
-                        f"({', '.join(TARGET_GROUPS)}) or module name suffixes (e.g. to_q,to_v)")
     recipe.add_argument("--prior_data", default="auto", help="images trained alongside --data so the model keeps "
                         "what it already draws (DreamBooth's prior preservation): a dataset as for --data, 'none', or "
                         "'auto' = the built-in shapes when --data is built-in (the demo), none for your own data")
     recipe.add_argument("--prior_samples", type=positive_int, default=120, help="size of a built-in prior dataset")
+    add_adapter_args(parser)  # LoRA, DoRA or LoKr: rank, alpha, dropout, targets
     add_optimizer_args(parser)  # batch, learning rate, weight decay, clipping, EMA, seed
     add_schedule_args(parser)  # warmup, cosine decay, epochs or max steps
     add_flow_args(parser)  # sigmas, loss, weighting, caption dropout
@@ -144,15 +133,6 @@ def memory_plan(args, config):
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
 
 
-def check_adapter(args, frozen):
-    """--adapter dora on an int8 base, or a LoKr or DoRA sharded: one line before any work."""
-    if args.adapter == "dora" and frozen == "int8":
-        raise UserError("--adapter dora renormalises the base weight's columns, which int8 weights do not hold "
-                        "exactly: use --frozen_dtype bf16, or --adapter lora")
-    if args.adapter != "lora" and args.fsdp:
-        raise UserError(f"--adapter {args.adapter} does not shard yet: use DDP (--fsdp 0) or --adapter lora")
-
-
 def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
     (train)."""
@@ -168,11 +148,9 @@ def main(argv=None):
     for line in precision.notes:
         metrics.log(line)
     metrics.log(f"recipe: {args.recipe_note}")
-    check_adapter(args, precision.frozen)  # what an adapter kind does not go with: one line now
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
-    # The base weights' record and components; the data with the prior data alongside, and its cache (the text
-    # encoders then freed); the estimate; the frozen base weights (in --frozen_dtype) with adapters on them
+    # The base weights' record and components; the data (the prior data beside it) and its cache; the estimate
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     prediction, config = source["prediction"], SD3LightConfig.from_dict(source["transformer"])
     # the token routing and the memory plan, checked now: a bad value is one line before any work
@@ -187,7 +165,7 @@ def main(argv=None):
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
     model = adapted_frozen(source, precision.frozen, info, plan.blocks_to_swap,
                            (args.lora_targets, args.lora_rank, args.lora_alpha, args.lora_dropout,
-                            Adapter(args.adapter, args.lokr_factor)), metrics.log)
+                            Adapter(args.adapter, args.lokr_factor)), metrics.log)  # the frozen base, adapted
     model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
     metrics.log(f"{ADAPTER_NAMES[args.adapter]} rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
@@ -203,9 +181,8 @@ def main(argv=None):
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
-    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe)
-    # --cuda_graph: the step captured as a CUDA graph, or eager; a step that cannot be: one line now
-    graphs = run_graphs(args.cuda_graph, info, learner, False, metrics.log)
+    graphs = run_graphs(args.cuda_graph, info, model, routing, False, metrics.log)  # or one line
+    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe, graphs)
     # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
@@ -215,7 +192,7 @@ def main(argv=None):
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
-    return train(args, info, position, data, learner, out, graphs)
+    return train(args, info, position, data, learner, out)
 
 
 def outputs(args, info, position, learner, metrics, source, precision):
@@ -258,26 +235,23 @@ def accumulate(args, inputs, learner):
     return total
 
 
-def train(args, info, position, data, learner, out, graphs):
+def train(args, info, position, data, learner, out):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between
-    two log steps (--log_interval) nothing is read to the host: a GPU runs ahead of it. `graphs` (StepGraphs):
-    where --cuda_graph 1, each shape's step captured at its third step and replayed after."""
+    two log steps (--log_interval) nothing is read to the host: a GPU runs ahead of it. Where --cuda_graph 1
+    (learner.graphs), each shape's step is captured at its third step and replayed after."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]  # the adapters
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
-    graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
+    graphs = learner.graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            # the data on the device and the step's random draws (noise, sigmas, caption dropout), made on the host
-            inputs = [flow_inputs(learner.model, learner.components, batch, position.generator, learner.recipe)
-                      for batch in batches]
-            flops = sum(out.throughput.flops(batch).model for batch in batches)
+            inputs, flops = step_inputs(batches, learner, position.generator, out.throughput)  # the host's draws
             if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
-                with graphs.recording(inputs) as step_inputs:
-                    total = accumulate(args, step_inputs, learner)  # the loss and backward of each micro-batch
+                with graphs.recording(inputs) as recorded:
+                    total = accumulate(args, recorded, learner)  # the loss and backward of each micro-batch
                     # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether
                     # either is not finite: all on the device, where the update and the EMA are skipped if so
                     loss = mean_over_processes(total / args.accumulation_steps, info)

@@ -39,10 +39,10 @@ from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.block_swap import BlockSwap
 from model.errors import UserError, run_main
 from model.memory import MemoryPlan, fit_memory, peak_rss
-from model.model_lora import Adapter, apply_lora, is_lora_file
+from model.model_lora import Adapter, apply_lora, is_lora_file, lora_layers
 from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
-from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler
+from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs
 from model.step_graphs import StepGraphs, graphs_choice, graphs_refusal
 from model.token_routing import TokenRouting
 from model.weights import WEIGHT_STAGES, diffusers_source, load_transformer, run_name, weights_source
@@ -64,14 +64,16 @@ from trainer.mechanics.signals import StopSignal
 @dataclass(frozen=True)
 class FlowLearner:
     """What a flow-matching stage's loop trains: the model, and the model as its processes train it (`train_model`:
-    DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), and what its loss
-    reads (the components and the recipe)."""
+    DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), what its loss
+    reads (the components and the recipe), and the CUDA graphs its step may run as (StepGraphs: run_graphs; None
+    in the stages that do not capture theirs)."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     optimizers: list
     ema: object
     components: object
     recipe: FlowRecipe
+    graphs: object = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -133,19 +135,29 @@ def not_finite(loss, grad_norm):
     return (~(torch.isfinite(loss) & torch.isfinite(grad_norm))).float()
 
 
-def run_graphs(choice, info, learner, step_in_backward, log):
-    """The StepGraphs (model/step_graphs.py) of a run of `learner` on `info`'s processes, --cuda_graph being
+def run_graphs(choice, info, model, routing, step_in_backward, log):
+    """The StepGraphs (model/step_graphs.py) of a run training `model` on `info`'s processes, --cuda_graph being
     `choice`: on only where asked and the step can be captured (one line where asked and it cannot: UserError);
-    `step_in_backward`: the full fine-tune's parameters stepped in backward (not captured)."""
-    model = learner.model
+    `routing`: the recipe's TokenRouting; `step_in_backward`: the full fine-tune's parameters stepped in backward
+    (not captured)."""
     dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
     refusal = graphs_refusal(info.device, info.world_size if not info.sharded else 2, model.block_swap is not None,
-                             step_in_backward, learner.recipe.routing.ratio > 0,
+                             step_in_backward, routing.ratio > 0,
                              dropout and model.gradient_checkpointing not in (False, 0))
     on, line = graphs_choice(choice, refusal, info.device)
     if line is not None:
         log(line)
+    for layer in lora_layers(model).values() if on else ():  # a replay repeats a cast made in its step
+        layer.cast_once = False
     return StepGraphs(on, info.device, log)
+
+
+def step_inputs(batches, learner, generator, throughput):
+    """A step's micro-batches (an iterator: each fetched as it is read) on the device with their random draws, made
+    on the host (rectified_flow.flow_inputs each), -> (those inputs, their FLOPs)."""
+    batches = list(batches)
+    inputs = [flow_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches]
+    return inputs, sum(throughput.flops(batch).model for batch in batches)
 
 
 def write_steps(steps, guard, metrics, throughput, global_batch):
