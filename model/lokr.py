@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn as nn
 
+from model.adapter_merge import DeltaMerge
+
 
 def factorization(dimension, factor=-1):
     """dimension -> (m, n), m <= n, m * n = dimension: with `factor` > 0 dividing it, (factor, dimension / factor)
@@ -36,7 +38,7 @@ def factorization(dimension, factor=-1):
     return (n, m) if m > n else (m, n)
 
 
-class LoKrLinear(nn.Linear):
+class LoKrLinear(DeltaMerge, nn.Linear):
     """An nn.Linear (the same weight and bias parameters, so the same state-dict names) plus a LoKr update, its
     factors trained in fp32 on `device` (None: where the weight is)."""
 
@@ -86,18 +88,6 @@ class LoKrLinear(nn.Linear):
         z = self.dropout(x).to(dtype).reshape(-1, in_m, in_n) @ self.w2(dtype).t()  # [tokens, in_m, out_k]
         update = torch.matmul(self.lokr_w1.to(dtype), z)  # [tokens, out_l, out_k]
         return base + (self.scale * update).reshape(*x.shape[:-1], self.out_features)
-
-    @torch.no_grad()
-    def merge(self):
-        if not self.merged:
-            self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        if self.merged:
-            self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
-            self.merged = False
 
     def extra_repr(self):
         return f"{super().extra_repr()}, lokr rank={self.rank}, alpha={self.alpha}, factors={self.shape}"

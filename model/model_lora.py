@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from model.adapter_merge import DeltaMerge
 from model.checkpoint import remove_leftovers
 from model.file_io import write_safetensors
 from model.lokr import LoKrLinear
@@ -93,7 +94,7 @@ class LoRAMatmul(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None, grad if ctx.needs_input_grad[4] else None
 
 
-class LoRALinear(nn.Linear):
+class LoRALinear(DeltaMerge, nn.Linear):
     """An nn.Linear (same weight and bias parameters, so the same state-dict names) plus a low-rank update."""
 
     kind = "lora"
@@ -177,18 +178,6 @@ class LoRALinear(nn.Linear):
             b = torch.empty(self.lora_B.weight.shape, dtype=dtype, device=key[1])
             self._cast_buffers[key] = (a.t(), b.t(), a, b)
         return self._cast_buffers[key]
-
-    @torch.no_grad()
-    def merge(self):
-        if not self.merged:
-            self.weight.copy_((self.weight.float() + self.delta_weight()).to(self.weight.dtype))
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        if self.merged:
-            self.weight.copy_((self.weight.float() - self.delta_weight()).to(self.weight.dtype))
-            self.merged = False
 
     def extra_repr(self):
         return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha}"
