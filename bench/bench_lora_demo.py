@@ -20,7 +20,7 @@ from dataset.shapes import NEW_COLORS, SHAPES, ShapesDataset  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, TASKS, all_prompts, generate, prompt_set, score  # noqa: E402
 from eval.shape_scorer import COLOR_NAMES  # noqa: E402
 from model.file_io import atomic_write_text  # noqa: E402
-from model.model_lora import lora_parameters, set_lora_scale  # noqa: E402
+from model.model_lora import lora_layers, lora_parameters, set_lora_scale  # noqa: E402
 from eval.sampling import load_for_sampling, sample_images, sampler_for, save_grid  # noqa: E402
 from model.errors import run_main  # noqa: E402
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT, resolve_lora  # noqa: E402
@@ -42,17 +42,20 @@ def main():
     path = resolve_lora(args.lora, args.out_dir)
     model, components, record, lora_record = load_for_sampling(args.weights, args.out_dir, device, path)
     sampler = sampler_for(record)
+    # the transformer and any text encoder the file adapts too (--train_text_encoders): scaled together
+    adapted = [model] + [m for m in components.text_models().values() if m is not None and lora_layers(m)]
     new_pairs = [(args.color, shape) for shape in SHAPES]
     new_specs = [dict(spec, split="new") for task in TASKS
                  for spec in prompt_set(task, "train", args.prompts_per_task, pairs=new_pairs)]
     usual_specs = all_prompts(args.prompts_per_task)
     report = {"lora": path, "bytes": os.path.getsize(path), "weights": record["manifest"],
-              "trainable_parameters": sum(p.numel() for p in lora_parameters(model)),
+              "trainable_parameters": sum(p.numel() for m in adapted for p in lora_parameters(m)),
               "lora_step": lora_record.get("step"), "sampling": sampler.settings(), "seeds": args.seeds, "scores": {}}
     demo_prompts = ShapesDataset(colors=(args.color,)).sample_prompts()
     grid_images, grid_captions = [], []
     for label, scale in (("base", 0.0), ("lora", 1.0)):
-        set_lora_scale(model, scale)
+        for m in adapted:
+            set_lora_scale(m, scale)
         new_table, new_overall, _ = score(new_specs, generate(model, components, new_specs, args.seeds, sampler),
                                           colors=COLOR_NAMES + (args.color,))
         table, overall, _ = score(usual_specs, generate(model, components, usual_specs, args.seeds, sampler))

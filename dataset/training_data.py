@@ -237,8 +237,13 @@ def encode_heldout(components, dataset, num_samples, batch_size, device):
     for start in range(0, min(num_samples, len(dataset)), batch_size):
         items = [dataset[i] for i in range(start, min(num_samples, len(dataset), start + batch_size))]
         latents = components.encode_images(torch.stack([it["image"] for it in items]).to(device))
-        tokens, pooled = components.encode_prompts([it["caption"] for it in items])
-        batches.append({"first": start, "latents": latents.cpu(), "tokens": tokens.cpu(), "pooled": pooled.cpu()})
+        captions = [it["caption"] for it in items]
+        if getattr(components, "trained_text", ()):  # the text features, run through the trained encoders each time
+            text = {"text": {k: v.cpu() for k, v in components.encode_text(captions).items()}}
+        else:
+            tokens, pooled = components.encode_prompts(captions)
+            text = {"tokens": tokens.cpu(), "pooled": pooled.cpu()}
+        batches.append({"first": start, "latents": latents.cpu(), **text})
     return batches
 
 
@@ -362,8 +367,9 @@ def features_to_train_on(settings, dataset, components, prompts, info, log):
         features = getattr(cache, "source", cache)  # the cache itself, under an epoch's slots (EpochSamples)
         log(f"--cache_only: the cache of {len(features)} samples is ready in {features.folder}")
         return None
-    if hasattr(components, "free_text_encoders"):  # their memory is the transformer's now
-        components.free_text_encoders(prompts, encoded_prompts(settings.cache_dir, prompts, components))
+    if hasattr(components, "free_text_encoders"):  # their memory is the transformer's now (not the trained ones')
+        components.free_text_encoders(prompts, None if components.trained_text else
+                                      encoded_prompts(settings.cache_dir, prompts, components))
     return cache
 
 

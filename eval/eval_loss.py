@@ -25,13 +25,16 @@ SIGMAS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 
 
 @torch.no_grad()
-def heldout_losses(model, batches, prediction, seed=0, autocast=None):
+def heldout_losses(model, batches, prediction, seed=0, autocast=None, components=None):
     """{sigma: mean MSE of the velocity} over encoded batches (encode_heldout); noise is seeded per item and sigma.
-    `autocast`: the dtype the model computes in (None: fp32)."""
+    `autocast`: the dtype the model computes in (None: fp32). `components`: what conditions a batch that keeps its
+    text features (its text encoders train), as it is now."""
     device = next(model.parameters()).device
     totals, n = {s: 0.0 for s in SIGMAS}, sum(len(batch["latents"]) for batch in batches)
     for batch in batches:
-        latents, tokens, pooled = (batch[k].to(device) for k in ("latents", "tokens", "pooled"))
+        latents = batch["latents"].to(device)
+        tokens, pooled = (batch["tokens"].to(device), batch["pooled"].to(device)) if "text" not in batch else \
+            components.condition(batch["text"])
         for k, s in enumerate(SIGMAS):
             noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(
                 seed + 1000003 * k + batch["first"] + j)) for j in range(len(latents))]).to(device)

@@ -10,7 +10,7 @@ import torch
 
 from model.errors import UserError
 from model.file_io import atomic_path
-from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale
+from model.model_lora import attach_lora, merge_lora, read_lora_file, set_lora_scale, text_encoders_for
 from model.rectified_flow import Sampler, euler_sample
 from model.weights import load_weights, resolve_lora, sampling_name, weights_identity
 
@@ -23,7 +23,8 @@ def sample_images(model, components, prompts, seed, sampler, device):
     latents are decoded one image at a time (a 1024px decode is the VAE's largest activation)."""
     was_training, device = model.training, torch.device(device)
     model.eval()
-    tokens, pooled = components.encode_prompts(prompts)
+    with torch.no_grad():  # (trained text encoders run here)
+        tokens, pooled = components.encode_prompts(prompts)
     seeds = seed if isinstance(seed, (list, tuple)) else [seed + i for i in range(len(prompts))]
     step = sampler.batch or len(prompts)
     latents = torch.cat([sampled_latents(model, components, (tokens[k:k + step], pooled[k:k + step]),
@@ -80,11 +81,15 @@ def load_for_sampling(weights, out_dir, device, lora=None, lora_scale=1.0, merge
                   f"{record['manifest']} (step {record['step']})", file=sys.stderr)
         try:
             attach_lora(model, lora_state, lora_config)
+            text = text_encoders_for(components.text_models(), lora_config)  # those it adapts too, if any
+            for prefix, encoder in text.items():
+                attach_lora(encoder, lora_state, lora_config["text"][prefix], prefix=prefix)
         except ValueError as e:
             raise UserError(f"{path} does not fit {record['manifest']}: {e}") from None
-        set_lora_scale(model, lora_scale)
-        if merge:
-            merge_lora(model)
+        for adapted in (model, *text.values()):
+            set_lora_scale(adapted, lora_scale)
+            if merge:
+                merge_lora(adapted)
     return model, components, record, lora_record
 
 

@@ -93,6 +93,13 @@ class BuiltinTextEncoder(nn.Module):
         device = self.model.text_projection.weight.device
         return self.model(to_device(self.tokenizer(captions), device), self.tokenizer.eos_id)
 
+    def encode_ids(self, ids):
+        """Token ids (the tokenizer's) -> (tokens, pooled), with gradients where adapters on it train; a caption
+        with no word encodes to zeros, the unconditional input."""
+        ids = to_device(ids, self.model.text_projection.weight.device)
+        tokens, pooled = self.model(ids, self.tokenizer.eos_id)
+        return drop_captions(tokens, pooled, ids[:, 1] == self.tokenizer.eos_id)
+
 
 class BuiltinComponents(nn.Module):
     """Pixel autoencoder + built-in text encoder, for the tiny/small presets (12 latent channels, width 128)."""
@@ -108,10 +115,21 @@ class BuiltinComponents(nn.Module):
                                                max_length=text_max_length, seed=seed)
         self.latent_channels, self.downscale = self.autoencoder.latent_channels, factor
         self.joint_attention_dim = self.pooled_projection_dim = text_width
+        self.trained_text = ()  # the text encoders that train (train_text_encoders): encoded at each step
 
     def identity(self):
-        """What the cached features depend on (the encoder is seeded random: its spec says it all)."""
-        return dict(self.spec)
+        """What the cached features depend on (the encoder is seeded random: its spec says it all; a trained one is
+        cached as token ids)."""
+        return {**self.spec, **({"text_ids": list(self.trained_text)} if self.trained_text else {})}
+
+    def text_models(self):
+        """{name: the text encoder's network}: what adapters go on (--train_text_encoders)."""
+        return {"text": self.text_encoder.model}
+
+    def train_text_encoders(self, names):
+        """From now on the encoders `names` encode to token ids, and condition runs them (with their adapters,
+        with gradients) at each call: they train. The others stay as they were."""
+        self.trained_text = check_text_names(names, self.text_models())
 
     def encode_images(self, images):
         return self.autoencoder.encode_images(images)
@@ -121,6 +139,8 @@ class BuiltinComponents(nn.Module):
 
     @torch.no_grad()
     def encode_text(self, captions):
+        if self.trained_text:  # encoded at each step, from its ids
+            return {"text_ids": to_device(self.text_encoder.tokenizer(captions), self.device)}
         tokens, pooled = self.text_encoder(captions)
         empty = torch.tensor([not c.strip() for c in captions], device=tokens.device)
         tokens, pooled = drop_captions(tokens, pooled, empty)
@@ -133,8 +153,15 @@ class BuiltinComponents(nn.Module):
     def latents(self, features, generator=None):
         return features["latents"].float()  # lossless: nothing to sample
 
+    @property
+    def device(self):
+        return self.text_encoder.model.text_projection.weight.device
+
     def condition(self, features, drop=None):
-        tokens, pooled = features["text_tokens"].float(), features["text_pooled"].float()
+        if "text_ids" in features:  # a trained encoder: run now
+            tokens, pooled = self.text_encoder.encode_ids(features["text_ids"])
+        else:
+            tokens, pooled = features["text_tokens"].float(), features["text_pooled"].float()
         return (tokens, pooled) if drop is None else drop_captions(tokens, pooled, drop[:, 0])
 
     def encode_prompts(self, captions):
@@ -208,7 +235,9 @@ class SD3Components(nn.Module):
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.spec = dict(kind="sd3", path=path, t5_max_length=int(t5_max_length))
         self.truncated_captions = 0  # captions longer than CLIP's 77 tokens, counted as they are encoded
-        self.prompt_memo = {}  # prompts -> (tokens, pooled), encoded before the text encoders were freed
+        self.prompt_memo = {}  # prompts -> (tokens, pooled), encoded before the text encoders were freed; with
+        # trained encoders their features (encode_text's, theirs as ids), conditioned at each use
+        self.trained_text, self.freed = (), False  # the text encoders that train; whether the others were freed
         self.path, self.t5_max_length = path, int(t5_max_length)
 
         quiet_hub_libraries()
@@ -264,7 +293,20 @@ class SD3Components(nn.Module):
                     stat = os.stat(os.path.join(root, name))
                     files.append([os.path.relpath(os.path.join(root, name), self.path), stat.st_size,
                                   stat.st_mtime_ns])
-        return {**self.spec, "dtype": str(self.dtype).replace("torch.", ""), "files": files}
+        trained = {"text_ids": list(self.trained_text)} if self.trained_text else {}  # cached as token ids
+        return {**self.spec, "dtype": str(self.dtype).replace("torch.", ""), "files": files, **trained}
+
+    def text_models(self):
+        """{name: text encoder}: those adapters can go on (--train_text_encoders), CLIP-L and CLIP-G."""
+        return {"clip_l": self.clip_l, "clip_g": self.clip_g}
+
+    def train_text_encoders(self, names):
+        """From now on the encoders `names` encode to token ids, and condition runs them (with their adapters,
+        with gradients) at each call: they train, on the device from now, and are never freed. The others are
+        as they were (T5 stays cached)."""
+        self.trained_text = check_text_names(names, self.text_models())
+        for name in self.trained_text:
+            setattr(self, name, getattr(self, name).to(self.device))
 
     @property
     def device(self):
@@ -304,7 +346,7 @@ class SD3Components(nn.Module):
 
     def text_encoders_in(self):
         """The text encoders on the device, as stream_text_encoders said (whole by default), once."""
-        if self.placed or self.clip_l is None:
+        if self.placed or self.freed:
             return
         self.placed = True
         self.clip_l, self.clip_g = self.clip_l.to(self.device), self.clip_g.to(self.device)
@@ -318,33 +360,49 @@ class SD3Components(nn.Module):
 
     @torch.no_grad()
     def encode_text(self, captions):
+        """-> per encoder "<name>_tokens" and "<name>_pooled" (T5: tokens), or for one that trains "<name>_ids"."""
         captions = list(captions)
-        if self.clip_l is None:
+        if self.freed:
             raise UserError("the text encoders were freed once training read the cache: only the sample grids' "
                             "prompts are kept encoded")
         self.text_encoders_in()  # on the device, if they are not yet
         features = {}
         clip_limit = self.tokenizers["clip_l"].model_max_length
         self.truncated_captions += sum(len(ids) > clip_limit for ids in self.tokenizers["clip_l"](captions).input_ids)
-        for name, encoder in (("clip_l", self.clip_l), ("clip_g", self.clip_g)):
+        for name in ("clip_l", "clip_g"):
             tokenizer = self.tokenizers[name]
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="pt").input_ids.to(encoder.device)
-            out = encoder(ids, output_hidden_states=True)
-            features[f"{name}_tokens"] = out.hidden_states[-2].to(self.device)
-            features[f"{name}_pooled"] = out.text_embeds.to(self.device)
+                            return_tensors="pt").input_ids.to(self.device)
+            if name in self.trained_text:
+                features[f"{name}_ids"] = ids
+            else:
+                features[f"{name}_tokens"], features[f"{name}_pooled"] = self.clip_features(name, ids)
         if self.t5 is not None:
             ids = self.tokenizers["t5"](captions, padding="max_length", max_length=self.t5_max_length, truncation=True,
                                         add_special_tokens=True, return_tensors="pt").input_ids.to(self.t5.device)
             features["t5_tokens"] = self.t5(ids)[0].to(self.device)
         return features
 
+    def clip_features(self, name, ids):
+        """CLIP `name`'s (tokens, pooled) of token ids: its penultimate hidden states and its projection, as
+        diffusers' pipeline takes them (with gradients where its adapters train)."""
+        encoder = getattr(self, name)
+        out = encoder(ids.to(encoder.device), output_hidden_states=True)
+        return out.hidden_states[-2].to(self.device), out.text_embeds.to(self.device)
+
     def free_text_encoders(self, prompts, encoded=None):
         """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now (or
         take them `encoded`: condition's tokens and pooled, kept from an earlier run) and free the encoders
-        (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike."""
-        self.prompt_memo[tuple(prompts)] = encoded or self.condition(self.encode_text(prompts))
-        self.clip_l = self.clip_g = self.t5 = self.t5_swap = None
+        (T5-XXL alone is 9.5 GB in bf16), in GPU and host memory alike; those that train stay, and the prompts'
+        features are kept to run through them at each grid."""
+        if self.trained_text:
+            self.prompt_memo[tuple(prompts)] = self.encode_text(prompts)
+        else:
+            self.prompt_memo[tuple(prompts)] = encoded or self.condition(self.encode_text(prompts))
+        for name in ("clip_l", "clip_g", "t5"):
+            if name not in self.trained_text:
+                setattr(self, name, None)
+        self.t5_swap, self.freed = None, True
         if self.device.type == "cuda":  # torch's allocators keep what they held: give it back to the GPU and the host
             torch.cuda.empty_cache()
             if hasattr(torch._C, "_host_emptyCache"):  # pinned memory (T5's streamed layers)
@@ -362,6 +420,10 @@ class SD3Components(nn.Module):
 
     def condition(self, features, drop=None):
         keep = None if drop is None else (~drop).float()
+        for name in self.trained_text:  # run now, from their ids
+            if f"{name}_ids" in features:
+                tokens, pooled = self.clip_features(name, features[f"{name}_ids"])
+                features = {**features, f"{name}_tokens": tokens, f"{name}_pooled": pooled}
 
         def part(name, key, index):
             x = features[f"{name}_{key}"].float()
@@ -378,8 +440,9 @@ class SD3Components(nn.Module):
 
     def encode_prompts(self, captions):
         captions = tuple(captions)
-        if captions in self.prompt_memo:
-            return self.prompt_memo[captions]
+        kept = self.prompt_memo.get(captions)
+        if kept is not None:  # features of trained encoders are run through them now
+            return self.condition(kept) if isinstance(kept, dict) else kept
         return self.condition(self.encode_text(captions))
 
     def trained_state_dict(self):
@@ -388,6 +451,15 @@ class SD3Components(nn.Module):
     def load_trained_state_dict(self, state_dict):
         if state_dict:
             raise ValueError(f"SD3 components hold no trained tensors, got {len(state_dict)}")
+
+
+def check_text_names(names, models):
+    """`names` (--train_text_encoders) checked against the encoders `models` has -> a tuple of them."""
+    unknown = [name for name in names if name not in models]
+    if unknown:
+        raise UserError(f"--train_text_encoders {','.join(names)}: these components have no {', '.join(unknown)} "
+                        f"that trains here; use {', '.join(models)}")
+    return tuple(names)
 
 
 def drop_captions(tokens, pooled, drop):

@@ -79,6 +79,7 @@ class MemoryPlan:
     trained_dtype: str = "fp32"  # --trained_dtype: what trained weights, gradients (and AdamW's moments) are held in
     step_in_backward: bool = False  # --step_in_backward 1: no more than one gradient at a time
     blocks_to_swap: object = 0  # --blocks_to_swap: a count, or "auto" (fitted_plan)
+    text_adapters: int = 0  # trainable adapter parameters on text encoders (--train_text_encoders), held in fp32
 
 
 def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
@@ -98,6 +99,11 @@ def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, 
     if shards > 1:
         parts = {k: v / shards for k, v in parts.items()}
         parts["gathered block"] = 2 * params / config.num_layers
+    # the text encoders' adapters, whole on every process: their fp32 gradients, AdamW's two moments, the EMA (their
+    # weights and the encoders they train on are the components', counted as held)
+    text = plan.text_adapters
+    parts.update(gradients=parts["gradients"] + 4 * text, optimizer=parts["optimizer"] + 8 * text,
+                 EMA=parts["EMA"] + (4 * text if ema_on_device else 0))
     if plan.blocks_to_swap:
         parts = with_swap(parts, plan, frozen_dtype, swap_sizes(block_shapes(model), plan.blocks_to_swap))
     save = 2 * 4 * largest if device_type == "cpu" and any(trained) else 0  # one tensor written, one read back
@@ -179,6 +185,8 @@ def fit_memory(config, plan, components, precision, info, log):
     """What a stage calls: the run's memory plan (MemoryPlan) with --gradient_checkpointing auto and --blocks_to_swap
     auto resolved for the device (fitted_plan), and its estimate logged -> the plan (`plan.checkpointing`: what the
     model recomputes in backward; `plan.blocks_to_swap`: how many blocks stream from host memory)."""
+    # the adapters on the text encoders that train (--train_text_encoders) are the components' trainable parameters
+    plan = replace(plan, text_adapters=sum(p.numel() for p in components.parameters() if p.requires_grad))
     plan = fitted_plan(config, plan, device_memory(info.device), *run_holding(components, precision, info))
     for line in estimate_lines(config, plan, components, precision, info):
         log(line)

@@ -36,11 +36,16 @@ TARGET_GROUPS = {
     "ff": ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
     "adaln": ("norm1.linear", "norm1_context.linear"),
 }
+# a CLIP text encoder's attention and MLP projections: the layers ComfyUI maps for CLIP-L and CLIP-G
+TEXT_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 DEFAULT_TARGETS = ("attention",)
 ADAPTER_KINDS = ("lora", "lokr", "dora")
 ADAPTER_SUFFIXES = (".dora_scale", ".lokr_w1", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".alpha")
 KIND_KEY = "minisd3_adapter"  # our metadata: the adapter's kind (and LoKr's factor), where it is not a plain LoRA
 FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters
+# the text encoders' prefixes, diffusers' for SD3's CLIP-L and CLIP-G (ComfyUI maps them too); the built-in encoder
+# of the tiny model, its only one, is the first
+TEXT_PREFIXES = {"text": "text_encoder.", "clip_l": "text_encoder.", "clip_g": "text_encoder_2."}
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and targets from
 
 
@@ -376,10 +381,16 @@ def unmerge_lora(model):
         layer.unmerge()
 
 
-def lora_state_dict(model):
-    """The adapters in diffusers' interchange names: transformer.<module>.lora_A.weight / .lora_B.weight."""
-    return {f"{FILE_PREFIX}{name}.{suffix}": tensor.detach() for name, layer in lora_layers(model).items()
+def lora_state_dict(model, prefix=FILE_PREFIX):
+    """The adapters in diffusers' interchange names: transformer.<module>.lora_A.weight / .lora_B.weight (a text
+    encoder's: under its own `prefix`, TEXT_PREFIXES)."""
+    return {f"{prefix}{name}.{suffix}": tensor.detach() for name, layer in lora_layers(model).items()
             for suffix, tensor in layer.adapter_tensors().items()}
+
+
+def under(state, prefix):
+    """The entries of `state` whose key starts with `prefix`."""
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
 
 
 def lora_config(model):
@@ -394,10 +405,13 @@ def lora_config(model):
     return {"rank": rank, "alpha": alpha, "target_modules": sorted(layers), "kind": kind, "factor": factor}
 
 
-def file_metadata(config, record=None):
-    """safetensors metadata: diffusers' adapter config (rank, alpha, targets) plus our own record."""
-    adapter = {"r": config["rank"], "lora_alpha": config["alpha"], "target_modules": config["target_modules"]}
-    metadata = {METADATA_KEY: json.dumps({FILE_PREFIX + k: v for k, v in adapter.items()})}
+def file_metadata(configs, record=None):
+    """safetensors metadata: diffusers' adapter config (rank, alpha, targets) of each part (`configs`: {prefix:
+    lora_config}, the transformer's and any text encoder's) plus our own record."""
+    adapter = {f"{prefix}{key}": value for prefix, config in configs.items() for key, value in
+               (("r", config["rank"]), ("lora_alpha", config["alpha"]), ("target_modules", config["target_modules"]))}
+    metadata = {METADATA_KEY: json.dumps(adapter)}
+    config = configs[FILE_PREFIX]
     if config.get("kind", "lora") != "lora":
         metadata[KIND_KEY] = json.dumps({"kind": config["kind"], "factor": config.get("factor", -1)})
     if record is not None:
@@ -406,13 +420,20 @@ def file_metadata(config, record=None):
 
 
 def config_from_metadata(metadata):
-    """-> {"rank", "alpha", "target_modules"} from a LoRA file's metadata written by file_metadata."""
+    """-> {"rank", "alpha", "target_modules", "kind", "factor"} of the transformer's adapters, from a LoRA file's
+    metadata written by file_metadata, and "text": {prefix: {"rank", "alpha", "target_modules"}} of the text
+    encoders' (empty: none)."""
     if not metadata or METADATA_KEY not in metadata:
         raise ValueError("the LoRA file has no adapter metadata (rank, alpha, targets)")
     adapter = json.loads(metadata[METADATA_KEY])
     kind = json.loads(metadata.get(KIND_KEY, '{"kind": "lora", "factor": -1}'))
-    return {"rank": int(adapter[FILE_PREFIX + "r"]), "alpha": float(adapter[FILE_PREFIX + "lora_alpha"]),
-            "target_modules": list(adapter[FILE_PREFIX + "target_modules"]), **kind}
+
+    def part(prefix):
+        return {"rank": int(adapter[prefix + "r"]), "alpha": float(adapter[prefix + "lora_alpha"]),
+                "target_modules": list(adapter[prefix + "target_modules"])}
+
+    text = {prefix: part(prefix) for prefix in dict.fromkeys(TEXT_PREFIXES.values()) if prefix + "r" in adapter}
+    return {**part(FILE_PREFIX), **kind, "text": text}
 
 
 def check_lora_fits(own, state):
@@ -426,10 +447,10 @@ def check_lora_fits(own, state):
         raise ValueError("LoRA weights do not fit the model; " + "; ".join(parts))
 
 
-def load_lora_state_dict(model, state):
-    """Copy interchange-format adapters into a model that already has them; strict: every key must match, and
-    the kind of adapter (a LoKr file does not load into DoRA layers)."""
-    own = lora_state_dict(model)
+def load_lora_state_dict(model, state, prefix=FILE_PREFIX):
+    """Copy interchange-format adapters (under `prefix`) into a model that already has them; strict: every key
+    must match, and the kind of adapter (a LoKr file does not load into DoRA layers)."""
+    own = lora_state_dict(model, prefix)
     if state_kind(state) != state_kind(own):
         raise ValueError(f"the weights are {state_kind(state)} adapters, the model's are {state_kind(own)}: load "
                          "them with the kind they were trained as (--adapter)")
@@ -440,59 +461,69 @@ def load_lora_state_dict(model, state):
 
 
 class LoRAWeights:
-    """A model's adapters seen as one module's weights: state_dict() in diffusers' names, load_state_dict() strict.
-    What the LoRA stage resumes and averages (EMA) instead of the whole, frozen model."""
+    """A model's adapters seen as one module's weights, and those of the text encoders that train (`text`: {prefix:
+    encoder}, TEXT_PREFIXES): state_dict() in diffusers' names, load_state_dict() strict. What the LoRA stage
+    resumes and averages (EMA) instead of the whole, frozen model."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, text=None):
+        self.parts = {FILE_PREFIX: model, **(text or {})}
 
     def state_dict(self):
-        return lora_state_dict(self.model)
+        return {k: v for prefix, module in self.parts.items() for k, v in lora_state_dict(module, prefix).items()}
 
     def load_state_dict(self, state):
-        load_lora_state_dict(self.model, state)
+        stray = sorted(k for k in state if not k.startswith(tuple(self.parts)))
+        if stray:
+            raise ValueError(f"LoRA weights do not fit the model; unexpected: {', '.join(stray[:4])}")
+        for prefix, module in self.parts.items():
+            load_lora_state_dict(module, under(state, prefix), prefix)
 
 
-def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False):
+def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False, text=None):
     """Write the adapters to one safetensors file (atomic, read back and compared) with rank, alpha and targets
-    in diffusers' metadata, and `record` (base weights, stage...) in ours. `state` (e.g. an EMA of the adapters,
-    in interchange names) replaces the model's own adapters and must have exactly their keys and shapes.
-    `fold_alpha`: multiply the B matrices by alpha / rank and record alpha = rank, so loaders that read no alpha
-    (ComfyUI takes it only from `.alpha` tensors; a bare `load_lora_adapter` ignores the metadata) apply the
-    trained strength too. -> the file's size and sha256."""
-    own = lora_state_dict(model)
-    if state is None:
-        state = own
+    in diffusers' metadata, and `record` (base weights, stage...) in ours; the text encoders' too (`text`: {prefix:
+    encoder}). `state` (e.g. an EMA of the adapters, in interchange names) replaces their own and must have exactly
+    their keys and shapes. `fold_alpha`: multiply the B matrices by alpha / rank and record alpha = rank, so
+    loaders that read no alpha (ComfyUI takes it only from `.alpha` tensors; a bare `load_lora_adapter` ignores the
+    metadata) apply the trained strength too. -> the file's size and sha256."""
+    weights = LoRAWeights(model, text)
+    own = weights.state_dict()
+    state = own if state is None else state
     check_lora_fits(own, state)
-    config = lora_config(model)
-    scale = config["alpha"] / config["rank"] if fold_alpha and config["kind"] != "lokr" else 1.0
-    if scale != 1.0:  # folded in fp32, before the cast to the file's dtype
-        state = {k: v.float() * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
-        config = {**config, "alpha": float(config["rank"])}
+    configs = {prefix: lora_config(module) for prefix, module in weights.parts.items()}
+    for prefix, config in configs.items():
+        scale = config["alpha"] / config["rank"] if fold_alpha and config["kind"] != "lokr" else 1.0
+        if scale != 1.0:  # folded in fp32, before the cast to the file's dtype
+            state = {k: v.float() * scale if k.startswith(prefix) and k.endswith(".lora_B.weight") else v
+                     for k, v in state.items()}
+            configs[prefix] = {**config, "alpha": float(config["rank"])}
+    config = configs[FILE_PREFIX]
     if config["kind"] == "lokr":  # ComfyUI reads a LoKr's alpha from a tensor beside its factors
         state = {**state, **{f"{FILE_PREFIX}{name}.alpha": torch.tensor(float(config["alpha"]))
                              for name in config["target_modules"]}}
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
-    return write_safetensors(path, tensors, metadata=file_metadata(config, record), float_dtype=dtype)
+    return write_safetensors(path, tensors, metadata=file_metadata(configs, record), float_dtype=dtype)
 
 
 class LoRAExport:
-    """What a LoRA stage's save exports: `model`'s adapters (given at each save: their EMA's, or their own) to the
-    file `path` in diffusers' LoRA format, alpha folded into B (save_lora), with `record` and the step."""
+    """What a LoRA stage's save exports: `model`'s adapters and the text encoders' (`text`: {prefix: encoder}; given
+    at each save: their EMA's, or their own) to the file `path` in diffusers' LoRA format, alpha folded into B
+    (save_lora), with `record` and the step."""
 
-    def __init__(self, path, model, record, dtype):
-        self.output, self.model, self.record, self.dtype = path, model, record, dtype
+    def __init__(self, path, model, record, dtype, text=None):
+        self.output, self.model, self.record, self.dtype, self.text = path, model, record, dtype, text
 
     def write(self, step, state, samples_seen):
         """-> bytes written; then the temp files a killed write left are deleted (as a weights save's commit does)."""
         record = {**self.record, "samples_seen": samples_seen, "step": step}
-        written = save_lora(self.model, self.output, record, state=state, dtype=self.dtype, fold_alpha=True)["bytes"]
+        written = save_lora(self.model, self.output, record, state, self.dtype, True, self.text)["bytes"]
         remove_leftovers(self.output)
         return written
 
 
 def read_lora_file(path):
-    """-> (interchange state dict, adapter config, our record or None)."""
+    """-> (interchange state dict: the transformer's adapters and any text encoder's, adapter config
+    (config_from_metadata), our record or None)."""
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
         state = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".alpha")}  # a LoKr's: in the metadata too
@@ -512,17 +543,33 @@ def is_lora_file(path):
     return bool(keys) and all(".lora_A." in k or ".lora_B." in k or k.endswith(ADAPTER_SUFFIXES) for k in keys)
 
 
-def attach_lora(model, state, config, dropout=0.0):
-    """Put adapters (a state dict and config as read_lora_file gives them) on `model`, adding the layers if it
-    has none."""
+def attach_lora(model, state, config, dropout=0.0, prefix=FILE_PREFIX):
+    """Put adapters (a state dict and config as read_lora_file gives them; those under `prefix`: the
+    transformer's, or a text encoder's with its part of the config) on `model`, adding the layers if it has none;
+    a key under no prefix the config names is an error."""
+    stray = [] if prefix != FILE_PREFIX else sorted(k for k in state if not k.startswith((prefix, *config["text"])))
+    if stray:  # keys under no prefix the file's metadata names
+        raise ValueError(f"LoRA weights do not fit the model; unexpected: {', '.join(stray[:4])}")
     if not lora_layers(model):
         apply_lora(model, config["target_modules"], config["rank"], config["alpha"], dropout,
                    adapter=Adapter(config.get("kind", "lora"), config.get("factor", -1)))
-    load_lora_state_dict(model, state)
+    load_lora_state_dict(model, under(state, prefix), prefix)
+
+
+def text_encoders_for(text_models, config):
+    """{prefix: encoder} of the text encoders a LoRA file adapts (`config`: read_lora_file's), taken from
+    `text_models` ({name: encoder}: components.text_models()); one it adapts that they lack is an error."""
+    models = {TEXT_PREFIXES[name]: module for name, module in text_models.items()}
+    missing = [prefix for prefix in config["text"] if prefix not in models]
+    if missing:
+        raise ValueError(f"it adapts text encoders these components do not have: {', '.join(missing)}")
+    return {prefix: models[prefix] for prefix in config["text"]}
 
 
 def load_lora(model, path, dropout=0.0):
     """Put the adapters of a LoRA file on `model` (adding the layers if it has none) -> our record or None."""
     state, config, record = read_lora_file(path)
+    if config["text"]:
+        raise ValueError(f"{path} adapts text encoders too: load it with eval/sampling.py's load_for_sampling")
     attach_lora(model, state, config, dropout)
     return record

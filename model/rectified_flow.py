@@ -152,7 +152,9 @@ def flow_inputs(model, components, batch, generator, recipe):
         encoders = len(components.text_encoders)
         p_drop = recipe.caption_dropout ** (1 / encoders)
         drop = torch.rand(len(features["latents"]), encoders, generator=generator) < p_drop
-        tokens, pooled = components.condition(features, to_device(drop, device))
+    # the text: read from the features, or where text encoders train (their ids), their forward, with gradients
+    tokens, pooled = components.condition(features, to_device(drop, device))
+    with torch.no_grad():
         latents = components.latents(features, generator)
     noise = to_device(torch.randn(latents.shape, generator=generator), device)
     s = to_device(sample_sigmas(len(latents), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,

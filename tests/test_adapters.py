@@ -8,6 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from model.errors import UserError
 from model.lokr import LoKrLinear, factorization
 from model.model_lora import (
     Adapter, DoRALinear, LoRALinear, apply_lora, attach_lora, load_lora_state_dict, lora_parameters,
@@ -155,3 +156,21 @@ def test_scale_0_is_the_base_model_and_scale_1_as_trained(kind):
     torch.testing.assert_close(model(*x), base(*x), rtol=0, atol=1e-5)
     set_lora_scale(model, 1.0)
     torch.testing.assert_close(model(*x), trained, rtol=0, atol=0)
+
+
+def test_text_encoder_options_that_cannot_run_are_one_line_each(capsys):
+    import trainer.train_lora as train_lora
+    from model.components import BuiltinComponents, check_text_names
+
+    for argv, said in ((["--train_text_encoders", "text", "--text_encoder_lr", "1e-4,2e-4"], "one per encoder"),
+                       (["--train_text_encoders", "text", "--cuda_graph", "1"], "--cuda_graph 0"),
+                       (["--train_text_encoders", "text", "--fsdp", "1"], "use DDP")):
+        with pytest.raises(SystemExit):
+            train_lora.parse_args(argv)
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert said in error, error
+    with pytest.raises(UserError) as error:  # an encoder the components do not have: the ones they do, named
+        check_text_names(("t5",), BuiltinComponents(["circle"]).text_models())
+    assert "no t5" in str(error.value) and "use text" in str(error.value)
+    assert train_lora.parse_args(["--train_text_encoders", "clip_l,clip_g", "--text_encoder_lr", "1e-5"]) \
+        .train_text_encoders == ("clip_l", "clip_g")

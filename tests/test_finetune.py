@@ -34,9 +34,13 @@ STAGES = {
                                                           "--ema_decay", "0.9", "--adapter", "lokr"]),
     "dora": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
                                                           "--ema_decay", "0.9", "--adapter", "dora"]),
+    # LoRA on the built-in text encoder too, at a rate of its own, which stops training it after step 6
+    "text": (train_lora, "lora_demo_tiny", lora_export, ["--num_samples", "12", "--prior_samples", "12",
+                                                          "--ema_decay", "0.9", "--train_text_encoders", "text",
+                                                          "--text_encoder_lr", "5e-4", "--text_encoder_steps", "6"]),
 }
 ADAPTER_KEYS = {"lora": (".lora_A.", ".lora_B."), "dora": (".lora_A.", ".lora_B.", ".dora_scale"),
-                "lokr": (".lokr_w1", ".lokr_w2")}
+                "lokr": (".lokr_w1", ".lokr_w2"), "text": (".lora_A.", ".lora_B.")}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))
@@ -55,7 +59,8 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
     run_stage(module, argv(tmp_path / "cut", "--from_resume", "1"), monkeypatch)
     whole, cut = final_state(tmp_path / "whole", name, export), final_state(tmp_path / "cut", name, export)
     assert whole["step"] == 9
-    for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
+    adapters = ("text_optimizer",) if stage != "sft" else ()  # (None where no text encoder trains)
+    for key in ("model", "ema", "optimizer", *adapters, "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
     with open(tmp_path / "whole" / "out" / f"{name}_metrics.jsonl", encoding="utf-8") as f:
@@ -67,7 +72,14 @@ def test_fine_tune_stages_stop_and_resume_bitwise_exactly(tmp_path, base, monkey
     if stage != "sft":  # the resume file holds the adapters only, the export names its base weights
         assert whole["model"] and all(any(part in k for part in ADAPTER_KEYS[stage]) for k in whole["model"])
         assert all(any(part in k for k in whole["model"]) for part in ADAPTER_KEYS[stage])
-        assert len(whole["optimizer"]["state"]) == len(whole["model"])
+        text = whole["text_optimizer"]["state"] if stage == "text" else {}
+        assert len(whole["optimizer"]["state"]) + len(text) == len(whole["model"])
+        assert (stage == "text") == any(k.startswith("text_encoder.text_model.") for k in whole["export"])
+        if stage == "text":  # the text encoder's adapters trained, for its 6 steps (--text_encoder_steps) of the 9
+            text_b = [v for k, v in whole["export"].items() if k.startswith("text_encoder.") and "lora_B" in k]
+            assert len(text_b) == 12 and all(v.abs().sum() > 0 for v in text_b)  # 6 layers in each of 2 blocks
+            assert {float(s["step"]) for s in text.values()} == {6.0}
+            assert {float(s["step"]) for s in whole["optimizer"]["state"].values()} == {9.0}
         record = read_lora_file(str(tmp_path / "whole" / "out" / "lora" / "lora_demo_tiny.safetensors"))[2]
         assert record["base"]["weights"] == base and record["step"] == 9 and record["stage"] == "lora"
     else:

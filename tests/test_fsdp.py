@@ -305,7 +305,11 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
             "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps", "1",
             "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
-    run_many(f"trainer.{Path(script).stem}", [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs])
+    launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
+    if stage == "lora":  # in the same launch: LoRA on the text encoder too, its gradients averaged over DDP's two
+        runs["text"] = tmp_path_factory.mktemp("text")
+        launched.append(args[1:] + ["--train_text_encoders", "text"] + folders(runs["text"]))
+    run_many(f"trainer.{Path(script).stem}", launched)
     sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
     assert sharded.keys() == reference.keys()
     for key, value in sharded.items():
@@ -317,6 +321,9 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     # only the adapters were trained: they alone are in the shards, with their AdamW state
     assert state["model"].keys() == sharded.keys() and all(".lora_" in k for k in sharded)
     assert set(state["optimizer"]["state"]) == {k.removeprefix("transformer.") for k in sharded}
+    text = export(runs["text"])
+    assert text.keys() - reference.keys() and all(k.startswith("text_encoder.") for k in text.keys() - reference.keys())
+    assert all(v.abs().sum() > 0 for k, v in text.items() if k.startswith("text_encoder.") and "lora_B" in k)
     # the file loads in diffusers onto the base transformer and draws what our sampler draws with it
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -349,7 +356,7 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
+    from trainer.mechanics.distributed import DistInfo, average_gradients, data_parallel, gathered, to_item
     from trainer.mechanics.distributed import whole as made_whole
     from trainer.trainer_utils import NonFiniteSteps, adamw, not_finite
 
@@ -390,6 +397,11 @@ def two_ranks_from_different_seeds(rank, folder):
         fused.found_inf = flag
         fused.step()
         assert flag.item() == 1.0 and all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
+        # gradients no wrapper reduces (the text encoders' adapters): averaged over the ranks; one without is left
+        text = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+        text[0].grad = torch.full((3,), float(rank + 1))
+        average_gradients(text, DistInfo(rank, rank, 2))
+        assert torch.equal(text[0].grad, torch.full((3,), 1.5)) and text[1].grad is None
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -87,7 +87,7 @@ def test_the_text_encoders_memory_goes_back_to_the_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
 
     class OnAGPU:
-        device, prompt_memo, t5 = CUDA, {}, object()
+        device, prompt_memo, t5, trained_text = CUDA, {}, object(), ()
 
         def encode_text(self, prompts):
             return prompts

@@ -126,6 +126,12 @@ def test_the_estimate_counts_the_modes_and_names_the_levers_that_would_fit(monke
     fused = memory.estimate(config, memory.replace(plan, trained_dtype="bf16", step_in_backward=True), "bf16", 1, 0,
                             0, "cuda")
     assert fused["gradients"] < 0.02 * 2 * params and fused["optimizer"] == 4 * params  # bf16 moments
+    # text encoders' adapters (--train_text_encoders): their fp32 gradients, AdamW's moments and the EMA on top
+    lora = memory.replace(plan, networks=(9_437_184,))
+    alone, text = (memory.estimate(config, memory.replace(lora, text_adapters=n), "bf16", 1, 0, 0, "cuda")
+                   for n in (0, 1_000_000))
+    assert {k: text[k] - alone[k] for k in alone if text[k] != alone[k]} == \
+        {"gradients": 4_000_000, "optimizer": 8_000_000, "EMA": 4_000_000}
 
     class Components:
         spec, t5_max_length, downscale = {"kind": "sd3"}, 77, 8

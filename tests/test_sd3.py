@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import safe_open
 
 import dataset.training_data
 import trainer.train_pretrain as train_pretrain
@@ -240,3 +241,40 @@ def test_own_data_on_sd3_components_caches_each_variant_once_and_validates(tmp_p
         rows = [json.loads(line) for line in f]
     assert [row["step"] for row in rows] == [0, 1, 2] and all(math.isfinite(row["val_loss"]) for row in rows)
     assert (tmp_path / "out" / "samples" / "lora_demo_sd3-tiny_metrics.png").is_file()
+
+
+@pytest.mark.slow
+def test_text_encoder_lora_trains_clip_from_cached_ids_and_diffusers_encodes_prompts_as_we_do(tmp_path, sd3, capsys):
+    from diffusers import StableDiffusion3Pipeline
+
+    from model.model_lora import read_lora_file
+
+    args = ["--base", sd3, "--from_weight", "base", "--data", "builtin", "--num_samples", "8", *FAST, *dirs(tmp_path),
+            "--prior_data", "none", "--train_text_encoders", "clip_l,clip_g", "--text_encoder_lr", "0.05,0.02"]
+    lora = run_here(train_lora, args, capsys)
+    assert "encoding 8 samples" in lora.stdout and "LoRA rank 8 on 12 layers of the text encoder clip_g" in lora.stdout
+    path = tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"
+    state, config, _ = read_lora_file(str(path))
+    assert sorted(config["text"]) == ["text_encoder.", "text_encoder_2."]
+    clip_l = [k for k in state if k.startswith("text_encoder.text_model.encoder.layers.")]
+    assert clip_l and all(k.endswith((".lora_A.weight", ".lora_B.weight")) for k in clip_l)
+    # the cache keeps the trained encoders' token ids, and T5's output (it does not train)
+    cached = next((tmp_path / "cache").rglob("*.safetensors"))
+    with safe_open(str(cached), framework="pt") as f:
+        keys = set(f.keys())
+    assert any("clip_l_ids" in k for k in keys) and any("t5_tokens" in k for k in keys)
+    assert not any("clip_l_tokens" in k for k in keys)
+
+    # our sampler's prompt embeddings with the file, and diffusers' (load_lora_weights: the CLIP parts)
+    _, components, _, _ = load_for_sampling(None, str(tmp_path / "out"), "cpu", lora=str(path))
+    prompts = ["a large red circle in the center", ""]
+    ours = components.encode_prompts(prompts)
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3)
+    before = pipeline.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,
+                                    max_sequence_length=77)
+    pipeline.load_lora_weights(str(path))
+    theirs = pipeline.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,
+                                    max_sequence_length=77)
+    for k, ours_part in ((0, ours[0]), (2, ours[1])):  # (prompt_embeds, _, pooled, _)
+        assert (ours_part - theirs[k]).abs().max() <= 1e-5 * theirs[k].abs().max()
+        assert (theirs[k] - before[k]).abs().max() > 1e-3  # the adapters trained

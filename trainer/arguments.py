@@ -21,6 +21,7 @@ wandb) keeps its one value here.
 import argparse
 import dataclasses
 import math
+import re
 import os
 import sys
 
@@ -122,8 +123,21 @@ class StageParser(argparse.ArgumentParser):
                        "exactly: use --frozen_dtype bf16, or --adapter lora")
         if adapter != "lora" and given.get("fsdp"):
             self.error(f"--adapter {adapter} does not shard yet: use DDP (--fsdp 0), or --adapter lora")
+        self.check_text_encoders(given)
         type(args).data_settings = filled(DataSettings, given)
         return args, rest
+
+    def check_text_encoders(self, given):
+        """One line for what --train_text_encoders does not go with."""
+        names, lrs = given.get("train_text_encoders") or (), given.get("text_encoder_lr")
+        if lrs is not None and len(lrs) not in (1, len(names)):
+            self.error(f"--text_encoder_lr takes one rate or one per encoder of --train_text_encoders "
+                       f"({len(names)}), got {len(lrs)}")
+        if names and given.get("cuda_graph") == "1":
+            self.error("--cuda_graph 1 captures a step from cached text: leave --train_text_encoders empty, or use "
+                       "--cuda_graph 0")
+        if names and given.get("fsdp"):
+            self.error("--train_text_encoders does not shard yet: use DDP (--fsdp 0)")
 
     def namespace(self, recipe_note):
         return type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds,
@@ -185,6 +199,16 @@ switch = checked(int, lambda v: v in (0, 1), "0 or 1")
 def checkpoint_choice(text):
     """--gradient_checkpointing: 1 = recompute every block in backward (True), 0 = none (False), or 'auto'."""
     return text if text == "auto" else bool(switch(text))
+
+
+def names_list(text):
+    """--train_text_encoders: comma-separated names -> a tuple ("" = none)."""
+    return tuple(name for name in re.split(r"[,\s]+", text) if name)
+
+
+def rates(text):
+    """--text_encoder_lr: one learning rate, or one per text encoder, comma-separated -> a tuple of them."""
+    return tuple(positive_float(part) for part in text.split(","))
 
 
 def swap_count(text):
@@ -257,6 +281,13 @@ def add_adapter_args(parser):
     a("--lora_dropout", type=probability, default=0.0)
     a("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or module "
       "name suffixes (e.g. to_q,to_v)")
+    a("--train_text_encoders", type=names_list, default=(), help="LoRA (--lora_rank, --lora_alpha) on these text "
+      "encoders' attention and MLP too, comma-separated: clip_l,clip_g with SD3 components, text with the built-in "
+      "one; each then encodes at every step (the cache keeps its token ids), T5 stays cached")
+    a("--text_encoder_lr", type=rates, default=None, help="the text encoders' learning rate: one, or one per "
+      "encoder in --train_text_encoders' order (kohya's --text_encoder_lr); default: --learning_rate")
+    a("--text_encoder_steps", type=non_negative_int, default=0, help="the text encoders train for this many steps, "
+      "then stay as they are (kohya's --stop_text_encoder_training); 0 = the whole run")
 
 
 def add_graph_args(parser):

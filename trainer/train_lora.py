@@ -45,9 +45,10 @@ from trainer.trainer_utils import (  # noqa: E402
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
     adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
     lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_graphs, run_main,
-    run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero, sync_gradients, torch_dtype,
-    training_dataset, whole, write_export, write_steps,
+    run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero, sync_gradients, text_adapters,
+    text_modules, text_optimizer, torch_dtype, training_dataset, whole, write_export, write_steps,
 )
+from trainer.mechanics.distributed import average_gradients  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -134,14 +135,12 @@ ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
 
 
 def main(argv=None):
-    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; then the loop
-    (train)."""
+    """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; the loop."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = lora_run_name(args.lora_name, args.preset)
-    metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
+    metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
                               bool(args.base), resumed_dtype(saved, info.world_size))
@@ -157,9 +156,10 @@ def main(argv=None):
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     plan = memory_plan(args, config)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    settings = args.data_settings
-    prior = prior_dataset(args, settings, components, config, metrics.log)
-    data = stage_data(settings, components, config, info, args.batch_size, metrics.log, prior)
+    text = text_adapters(components, args.train_text_encoders, (args.lora_rank, args.lora_alpha, args.lora_dropout),
+                         metrics.log)  # LoRA on the text encoders that train (none by default): encoded each step
+    prior = prior_dataset(args, args.data_settings, components, config, metrics.log)
+    data = stage_data(args.data_settings, components, config, info, args.batch_size, metrics.log, prior)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
@@ -172,23 +172,24 @@ def main(argv=None):
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
                 f"{precision.frozen})")
 
-    # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW; the
-    # resume checkpoint and the EMA hold them alone
+    # DDP, or FSDP shards (--fsdp 1: the frozen base sharded too); then only the adapters train, with AdamW (the
+    # text encoders' with one of their own, at --text_encoder_lr); the resume checkpoint and the EMA hold them alone
     train_model = data_parallel(model, info, args.compile, precision.autocast)
-    optimizer = adamw([p for p in model.parameters() if p.requires_grad], args.learning_rate, args.weight_decay)
-    ema = EMA(LoRAWeights(model), args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
+    optimizers = [adamw([p for p in model.parameters() if p.requires_grad], args.learning_rate, args.weight_decay)]
+    optimizers += [text_optimizer(text, args.learning_rate, args.text_encoder_lr, args.weight_decay)] if text else []
+    ema = EMA(LoRAWeights(model, text), args.ema_decay, args.ema_device) if args.ema_decay > 0 else None
     recipe = FlowRecipe(prediction=prediction, sigma_scheme=args.sigma_scheme, logit_mean=args.logit_mean,
                         logit_std=args.logit_std, train_shift=args.train_shift, loss=args.loss,
                         weighting=args.weighting, caption_dropout=args.caption_dropout, autocast=precision.autocast,
                         routing=routing)
     graphs = run_graphs(args.cuda_graph, info, model, routing, False, metrics.log)  # or one line
-    learner = FlowLearner(model, train_model, [optimizer], ema, components, recipe, graphs)
+    learner = FlowLearner(model, train_model, optimizers, ema, components, recipe, graphs, text)
     # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)
     out = outputs(args, info, position, learner, metrics, source, precision)
-    resume_run(saved, out, "lora", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line
+    resume_run(saved, out, "lora", LoRAWeights(model, text).state_dict().values(), info)  # a misfit: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with
         step_zero(out.previews, metrics, data)
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run
@@ -207,12 +208,13 @@ def outputs(args, info, position, learner, metrics, source, precision):
         "stage": "lora", "preset": args.preset, "resolution": args.resolution, "prediction": prediction,
         "ema": ema is not None, "save_dtype": args.save_dtype, "transformer": model.config.to_dict(),
         "components": components.spec, "sampling": sampling, "base": base, "args": vars(args)},
-        SAVE_DTYPES[args.save_dtype])
+        SAVE_DTYPES[args.save_dtype], learner.text)
     spec = RunSpec("lora", {"kind": "lora", "base": base}, vars(args), args.resume_kinds,
                    {"prediction": prediction, **precision.as_args()})
     checkpointer = Checkpointer(checkpoint_stem(args.save_dir, name), info, spec, position, {
-        "model": LoRAWeights(model), "optimizer": NamedOptimizerState(model, learner.optimizers[0]), "ema": ema,
-        "metrics": metrics})
+        "model": LoRAWeights(model, learner.text), "optimizer": NamedOptimizerState(model, learner.optimizers[0]),
+        "text_optimizer": NamedOptimizerState(text_modules(learner.text), learner.optimizers[-1]) if learner.text
+        else None, "ema": ema, "metrics": metrics})
     sampler = Sampler(args.resolution, **sampling, prediction=prediction, autocast=precision.autocast)
     previews = Previews(model, ema, components, sampler, args.seed, info, os.path.join(args.out_dir, "samples", name))
     throughput, line = Throughput.of_model(model, components, learner.recipe.routing,
@@ -222,25 +224,25 @@ def outputs(args, info, position, learner, metrics, source, precision):
     return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, inputs, learner):
+def accumulate(args, inputs, learner, info):
     """The step's micro-batches (flow_inputs each): the flow loss of each, backpropagated scaled so that the
-    gradients accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of their
-    losses, on the device."""
+    gradients accumulate to their mean (DDP all-reduces them in the last one's backward, the text encoders' after
+    it) -> the sum of their losses, on the device."""
     total = 0.0
     for micro, batch in enumerate(inputs):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_loss_of(learner.train_model, batch, learner.recipe)
         (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read at the log step, after the all-reduce
+    average_gradients([p for encoder in learner.text.values() for p in encoder.parameters()], info)
     return total
 
 
 def train(args, info, position, data, learner, out):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between
-    two log steps (--log_interval) nothing is read to the host: a GPU runs ahead of it. Where --cuda_graph 1
-    (learner.graphs), each shape's step is captured at its third step and replayed after."""
-    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
-    params = [p for p in learner.model.parameters() if p.requires_grad]  # the adapters
+    """The loop, from `position` to the end of the schedule or a stop signal. Between two log steps (--log_interval)
+    nothing is read to the host; with --cuda_graph 1 each shape's step is captured at its third and replayed after."""
+    metrics, log, ema, adapters = out.metrics, out.metrics.log, learner.ema, LoRAWeights(learner.model, learner.text)
+    params = [p for optimizer in learner.optimizers for g in optimizer.param_groups for p in g["params"]]  # adapters
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
     graphs = learner.graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
@@ -248,10 +250,12 @@ def train(args, info, position, data, learner, out):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            inputs, flops = step_inputs(batches, learner, position.generator, out.throughput)  # the host's draws
+            # the host's draws, and the forward of the text encoders that train (for --text_encoder_steps, 0: all)
+            with torch.set_grad_enabled(not args.text_encoder_steps or position.step <= args.text_encoder_steps):
+                inputs, flops = step_inputs(batches, learner, position.generator, out.throughput)
             if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
                 with graphs.recording(inputs) as recorded:
-                    total = accumulate(args, recorded, learner)  # the loss and backward of each micro-batch
+                    total = accumulate(args, recorded, learner, info)  # the loss and backward of each micro-batch
                     # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether
                     # either is not finite: all on the device, where the update and the EMA are skipped if so
                     loss = mean_over_processes(total / args.accumulation_steps, info)
@@ -260,7 +264,6 @@ def train(args, info, position, data, learner, out):
                     for optimizer in learner.optimizers:
                         optimizer.found_inf = skipped  # fused AdamW: no update where 1
                         optimizer.step()
-                    for optimizer in learner.optimizers:
                         optimizer.zero_grad(set_to_none=True)
                     graphs.outputs(loss, grad_norm, skipped)
             loss, grad_norm, skipped = graphs.run(inputs)  # a captured step replayed on these inputs
@@ -283,7 +286,7 @@ def train(args, info, position, data, learner, out):
             if saving or stopping:
                 began = time.perf_counter()
                 written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or LoRAWeights(learner.model)).state_dict(), position, info)
+                written += write_export(out.export, (ema or adapters).state_dict(), position, info)
                 log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
                     f"{time.perf_counter() - began:.1f} s")
                 metrics.plot(position.step, last=position.finished or stopping)

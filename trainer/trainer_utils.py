@@ -39,7 +39,7 @@ from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.block_swap import BlockSwap
 from model.errors import UserError, run_main
 from model.memory import MemoryPlan, fit_memory, peak_rss
-from model.model_lora import Adapter, apply_lora, is_lora_file, lora_layers
+from model.model_lora import TEXT_PREFIXES, TEXT_TARGETS, Adapter, apply_lora, is_lora_file, lora_layers
 from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs
@@ -66,7 +66,8 @@ class FlowLearner:
     """What a flow-matching stage's loop trains: the model, and the model as its processes train it (`train_model`:
     DDP, or the model itself on one process and under FSDP), its optimizers, its EMA (or None), what its loss
     reads (the components and the recipe), and the CUDA graphs its step may run as (StepGraphs: run_graphs; None
-    in the stages that do not capture theirs)."""
+    in the stages that do not capture theirs), and the text encoders that train with it (`text`: {file prefix:
+    encoder}, text_adapters'; their optimizer the last)."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     optimizers: list
@@ -74,6 +75,7 @@ class FlowLearner:
     components: object
     recipe: FlowRecipe
     graphs: object = None
+    text: dict = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -95,10 +97,11 @@ def set_lr(optimizer, lr):
     """Set the learning rate of `optimizer` (or of each of a list) -> `lr`."""
     for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
         for group in opt.param_groups:
+            rate = lr * group["lr_ratio"] if "lr_ratio" in group else lr  # a text encoder's group: its own rate
             if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
-                group["lr"].fill_(lr)
+                group["lr"].fill_(rate)
             else:
-                group["lr"] = lr
+                group["lr"] = rate
     return lr
 
 
@@ -247,6 +250,37 @@ def adapted_frozen(source, frozen_dtype, info, swapped, adapters, log):
     if swapped:
         model.block_swap = BlockSwap(model.transformer_blocks, swapped, info.device, log=log)
     return model
+
+
+def text_adapters(components, names, adapters, log):
+    """LoRA (`adapters`: rank, alpha, dropout) on the attention and MLP of the text encoders `names`
+    (--train_text_encoders), which from now on encode at each step (components.train_text_encoders) -> {their file
+    prefix (model_lora.TEXT_PREFIXES): encoder}, empty for none. `log`: where the line that says so goes."""
+    components.train_text_encoders(names)
+    models, (rank, alpha, dropout) = components.text_models(), adapters
+    for name in names:
+        apply_lora(models[name], TEXT_TARGETS, rank, alpha, dropout)
+        log(f"LoRA rank {rank} on {len(lora_layers(models[name]))} layers of the text encoder {name}")
+    return {TEXT_PREFIXES[name]: models[name] for name in names}
+
+
+def text_optimizer(text, lr, rates, weight_decay):
+    """AdamW on the text encoders' adapters (`text`: text_adapters'), a parameter group each at its rate (`rates`:
+    one, one per encoder, or None: `lr`), kept as a ratio to `lr` that set_lr scales -> the optimizer, or None
+    without any."""
+    if not text:
+        return None
+    rates = rates or (lr,)
+    rates = rates * len(text) if len(rates) == 1 else rates
+    groups = [{"params": [p for p in encoder.parameters() if p.requires_grad], "lr_ratio": rate / lr}
+              for encoder, rate in zip(text.values(), rates)]
+    return adamw(groups, lr, weight_decay)
+
+
+def text_modules(text):
+    """The text encoders that train (`text`: text_adapters') as one module, whose parameter names key their
+    optimizer's state in the resume checkpoint (NamedOptimizerState)."""
+    return torch.nn.ModuleDict({prefix.rstrip("."): encoder for prefix, encoder in text.items()})
 
 
 def adapter_count(config, targets, rank, alpha, adapter=Adapter()):

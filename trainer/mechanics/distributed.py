@@ -134,6 +134,19 @@ def mean_over_processes(value, info):
     return value
 
 
+def average_gradients(params, info):
+    """The gradients of `params` that no DDP wrapper reduces (the text encoders' adapters) averaged over processes,
+    flattened into one all-reduce on the device; nothing on one process. Every process holds the same ones."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if info.world_size == 1 or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat /= info.world_size
+    for grad, mean in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        grad.copy_(mean)
+
+
 def any_process(flag, info):
     """Whether `flag` is set on any process: one all-reduce and one read where there are several, none on one."""
     if info.world_size == 1:

@@ -38,7 +38,8 @@ class Previews:
         with self.exported_model() as model:
             was_training = model.training
             model.eval()
-            losses = heldout_losses(model, validation, self.sampler.prediction, self.seed, self.sampler.autocast)
+            losses = heldout_losses(model, validation, self.sampler.prediction, self.seed, self.sampler.autocast,
+                                    self.components)
             model.train(was_training)
         return sum(losses.values()) / len(losses)
 
