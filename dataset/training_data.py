@@ -300,7 +300,9 @@ def cache_folder(cache_dir, dataset, fingerprint, components):
     source = parts_of(dataset)[0]
     name = os.path.basename(os.path.normpath(source.path)) if hasattr(source, "path") else "builtin"
     sources = [fingerprint[k] for k in sorted(fingerprint) if k == "data" or k.endswith("_data")]
-    key = json_digest([sources, components.spec.get("kind"), components.spec.get("path")])[:16]
+    parts = [sources, components.spec.get("kind"), components.spec.get("path")]
+    as_ids = components.identity().get("text_ids")  # the encoders that train, cached as ids: a folder of their own
+    key = json_digest(parts + [as_ids] if as_ids else parts)[:16]
     return os.path.join(cache_dir, f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}")
 
 

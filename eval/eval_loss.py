@@ -34,7 +34,7 @@ def heldout_losses(model, batches, prediction, seed=0, autocast=None, components
     for batch in batches:
         latents = batch["latents"].to(device)
         tokens, pooled = (batch["tokens"].to(device), batch["pooled"].to(device)) if "text" not in batch else \
-            components.condition(batch["text"])
+            components.condition({k: v.to(device) for k, v in batch["text"].items()})
         for k, s in enumerate(SIGMAS):
             noise = torch.stack([torch.randn(latents.shape[1:], generator=torch.Generator().manual_seed(
                 seed + 1000003 * k + batch["first"] + j)) for j in range(len(latents))]).to(device)

@@ -93,12 +93,12 @@ class BuiltinTextEncoder(nn.Module):
         device = self.model.text_projection.weight.device
         return self.model(to_device(self.tokenizer(captions), device), self.tokenizer.eos_id)
 
-    def encode_ids(self, ids):
-        """Token ids (the tokenizer's) -> (tokens, pooled), with gradients where adapters on it train; a caption
-        with no word encodes to zeros, the unconditional input."""
-        ids = to_device(ids, self.model.text_projection.weight.device)
-        tokens, pooled = self.model(ids, self.tokenizer.eos_id)
-        return drop_captions(tokens, pooled, ids[:, 1] == self.tokenizer.eos_id)
+    def encode_ids(self, ids, blank):
+        """Token ids (the tokenizer's) -> (tokens, pooled), with gradients where adapters on it train; where
+        `blank` (an empty caption), zeros: the unconditional input."""
+        device = self.model.text_projection.weight.device
+        tokens, pooled = self.model(to_device(ids, device), self.tokenizer.eos_id)
+        return drop_captions(tokens, pooled, to_device(blank, device))
 
 
 class BuiltinComponents(nn.Module):
@@ -139,10 +139,10 @@ class BuiltinComponents(nn.Module):
 
     @torch.no_grad()
     def encode_text(self, captions):
+        empty = torch.tensor([not c.strip() for c in captions], device=self.device)
         if self.trained_text:  # encoded at each step, from its ids
-            return {"text_ids": to_device(self.text_encoder.tokenizer(captions), self.device)}
+            return {"text_ids": to_device(self.text_encoder.tokenizer(captions), self.device), "text_blank": empty}
         tokens, pooled = self.text_encoder(captions)
-        empty = torch.tensor([not c.strip() for c in captions], device=tokens.device)
         tokens, pooled = drop_captions(tokens, pooled, empty)
         return {"text_tokens": tokens, "text_pooled": pooled}
 
@@ -159,7 +159,7 @@ class BuiltinComponents(nn.Module):
 
     def condition(self, features, drop=None):
         if "text_ids" in features:  # a trained encoder: run now
-            tokens, pooled = self.text_encoder.encode_ids(features["text_ids"])
+            tokens, pooled = self.text_encoder.encode_ids(features["text_ids"], features["text_blank"])
         else:
             tokens, pooled = features["text_tokens"].float(), features["text_pooled"].float()
         return (tokens, pooled) if drop is None else drop_captions(tokens, pooled, drop[:, 0])

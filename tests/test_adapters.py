@@ -164,7 +164,9 @@ def test_text_encoder_options_that_cannot_run_are_one_line_each(capsys):
 
     for argv, said in ((["--train_text_encoders", "text", "--text_encoder_lr", "1e-4,2e-4"], "one per encoder"),
                        (["--train_text_encoders", "text", "--cuda_graph", "1"], "--cuda_graph 0"),
-                       (["--train_text_encoders", "text", "--fsdp", "1"], "use DDP")):
+                       (["--train_text_encoders", "text", "--fsdp", "1"], "use DDP"),
+                       (["--train_text_encoders", "text,text"], "names an encoder twice"),
+                       (["--text_encoder_steps", "5"], "name them")):
         with pytest.raises(SystemExit):
             train_lora.parse_args(argv)
         error = capsys.readouterr().err.strip().splitlines()[-1]
@@ -174,3 +176,20 @@ def test_text_encoder_options_that_cannot_run_are_one_line_each(capsys):
     assert "no t5" in str(error.value) and "use text" in str(error.value)
     assert train_lora.parse_args(["--train_text_encoders", "clip_l,clip_g", "--text_encoder_lr", "1e-5"]) \
         .train_text_encoders == ("clip_l", "clip_g")
+
+
+def test_a_trained_encoder_run_from_ids_encodes_as_the_cached_one_before_it_trains():
+    from model.components import BuiltinComponents
+    from model.model_lora import TEXT_TARGETS, lora_parameters
+
+    captions = ["a large red circle", "", "!!!"]  # a blank caption is the unconditional input (zeros), "!!!" is not
+    cached, trained = BuiltinComponents(["red", "circle"]), BuiltinComponents(["red", "circle"])
+    trained.train_text_encoders(("text",))
+    apply_lora(trained.text_models()["text"], TEXT_TARGETS, rank=2)
+    features = trained.encode_text(captions)
+    assert set(features) == {"text_ids", "text_blank"}
+    for ours, theirs in zip(trained.condition(features), cached.encode_prompts(captions)):
+        assert torch.equal(ours, theirs) and ours[1].abs().sum() == 0 and ours[2].abs().sum() > 0
+    tokens, pooled = trained.condition(features)  # with gradients into the encoder's adapters
+    (tokens.sum() + pooled.sum()).backward()
+    assert all(p.grad is not None for p in lora_parameters(trained.text_models()["text"]))

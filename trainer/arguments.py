@@ -130,6 +130,11 @@ class StageParser(argparse.ArgumentParser):
     def check_text_encoders(self, given):
         """One line for what --train_text_encoders does not go with."""
         names, lrs = given.get("train_text_encoders") or (), given.get("text_encoder_lr")
+        if not names and (lrs is not None or given.get("text_encoder_steps")):
+            self.error("--text_encoder_lr and --text_encoder_steps are for the encoders --train_text_encoders names: "
+                       "name them (clip_l,clip_g; text on the tiny model)")
+        if len(set(names)) < len(names):
+            self.error(f"--train_text_encoders {','.join(names)} names an encoder twice")
         if lrs is not None and len(lrs) not in (1, len(names)):
             self.error(f"--text_encoder_lr takes one rate or one per encoder of --train_text_encoders "
                        f"({len(names)}), got {len(lrs)}")

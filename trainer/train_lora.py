@@ -43,12 +43,12 @@ from trainer.arguments import (  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
-    adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak,
-    lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype, run_graphs, run_main,
-    run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero, sync_gradients, text_adapters,
-    text_modules, text_optimizer, torch_dtype, training_dataset, whole, write_export, write_steps,
+    adapter_count, average_gradients, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
+    init_distributed, log_peak, lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype,
+    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero,
+    sync_gradients, text_adapters, text_modules, text_optimizer, torch_dtype, training_dataset, whole, write_export,
+    write_steps,
 )
-from trainer.mechanics.distributed import average_gradients  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -156,7 +156,7 @@ def main(argv=None):
     routing = TokenRouting.for_model(config, args.route_ratio, args.route_first, args.route_last)
     plan = memory_plan(args, config)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    text = text_adapters(components, args.train_text_encoders, (args.lora_rank, args.lora_alpha, args.lora_dropout),
+    text = text_adapters(components, args.train_text_encoders, args.lora_rank, args.lora_alpha,
                          metrics.log)  # LoRA on the text encoders that train (none by default): encoded each step
     prior = prior_dataset(args, args.data_settings, components, config, metrics.log)
     data = stage_data(args.data_settings, components, config, info, args.batch_size, metrics.log, prior)
@@ -250,9 +250,8 @@ def train(args, info, position, data, learner, out):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
-            # the host's draws, and the forward of the text encoders that train (for --text_encoder_steps, 0: all)
-            with torch.set_grad_enabled(not args.text_encoder_steps or position.step <= args.text_encoder_steps):
-                inputs, flops = step_inputs(batches, learner, position.generator, out.throughput)
+            training_text = not args.text_encoder_steps or position.step <= args.text_encoder_steps  # (0: all)
+            inputs, flops = step_inputs(batches, learner, position.generator, out.throughput, training_text)
             if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
                 with graphs.recording(inputs) as recorded:
                     total = accumulate(args, recorded, learner, info)  # the loss and backward of each micro-batch

@@ -39,7 +39,9 @@ from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
 from model.block_swap import BlockSwap
 from model.errors import UserError, run_main
 from model.memory import MemoryPlan, fit_memory, peak_rss
-from model.model_lora import TEXT_PREFIXES, TEXT_TARGETS, Adapter, apply_lora, is_lora_file, lora_layers
+from model.model_lora import (
+    TEXT_PREFIXES, TEXT_TARGETS, Adapter, apply_lora, is_lora_file, lora_layers, lora_parameters,
+)
 from model.model_sd3light import meta_model
 from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs
@@ -50,7 +52,7 @@ from trainer.mechanics.checkpointer import (
     Checkpointer, RunSpec, checkpoint_stem, find_resume, resume_lines, resumed_dtype,
 )
 from trainer.mechanics.distributed import (
-    NamedOptimizerState, any_process, data_parallel, init_distributed, leave_together, mean_and_any,
+    NamedOptimizerState, any_process, average_gradients, data_parallel, init_distributed, leave_together, mean_and_any,
     mean_over_processes, sync_gradients, to_item, whole, write_export,
 )
 from trainer.mechanics.ema import EMA
@@ -96,8 +98,8 @@ def lr_at(step, total_steps, base_lr, warmup_steps, min_lr_ratio):
 def set_lr(optimizer, lr):
     """Set the learning rate of `optimizer` (or of each of a list) -> `lr`."""
     for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
-        for group in opt.param_groups:
-            rate = lr * group["lr_ratio"] if "lr_ratio" in group else lr  # a text encoder's group: its own rate
+        for group, ratio in zip(opt.param_groups, getattr(opt, "lr_ratios", [1.0] * len(opt.param_groups))):
+            rate = lr * ratio  # (a text encoder's group: its own rate)
             if isinstance(group["lr"], torch.Tensor):  # torchao's 8-bit AdamW keeps it as a tensor
                 group["lr"].fill_(rate)
             else:
@@ -155,12 +157,17 @@ def run_graphs(choice, info, model, routing, step_in_backward, log):
     return StepGraphs(on, info.device, log)
 
 
-def step_inputs(batches, learner, generator, throughput):
+def step_inputs(batches, learner, generator, throughput, training_text=True):
     """A step's micro-batches (an iterator: each fetched as it is read) on the device with their random draws, made
-    on the host (rectified_flow.flow_inputs each), -> (those inputs, their FLOPs)."""
+    on the host (rectified_flow.flow_inputs each), -> (those inputs, their FLOPs). Where text encoders train
+    (learner.text; `training_text`: this step, else they encode without gradients), each micro-batch's inputs are
+    made as it is read, so each encoder graph is freed by its micro-batch's backward (the draws keep their order)."""
     batches = list(batches)
-    inputs = [flow_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches]
-    return inputs, sum(throughput.flops(batch).model for batch in batches)
+    for encoder in (learner.text or {}).values():
+        for p in lora_parameters(encoder):
+            p.requires_grad_(training_text)
+    inputs = (flow_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches)
+    return inputs if learner.text else list(inputs), sum(throughput.flops(batch).model for batch in batches)
 
 
 def write_steps(steps, guard, metrics, throughput, global_batch):
@@ -252,14 +259,15 @@ def adapted_frozen(source, frozen_dtype, info, swapped, adapters, log):
     return model
 
 
-def text_adapters(components, names, adapters, log):
-    """LoRA (`adapters`: rank, alpha, dropout) on the attention and MLP of the text encoders `names`
-    (--train_text_encoders), which from now on encode at each step (components.train_text_encoders) -> {their file
-    prefix (model_lora.TEXT_PREFIXES): encoder}, empty for none. `log`: where the line that says so goes."""
+def text_adapters(components, names, rank, alpha, log):
+    """LoRA of `rank` and `alpha` on the attention and MLP of the text encoders `names` (--train_text_encoders),
+    which from now on encode at each step (components.train_text_encoders) -> {their file prefix
+    (model_lora.TEXT_PREFIXES): encoder}, empty for none. No dropout: the encoders stay in eval mode, sampling
+    included. `log`: where the line that says so goes."""
     components.train_text_encoders(names)
-    models, (rank, alpha, dropout) = components.text_models(), adapters
+    models = components.text_models()
     for name in names:
-        apply_lora(models[name], TEXT_TARGETS, rank, alpha, dropout)
+        apply_lora(models[name], TEXT_TARGETS, rank, alpha)
         log(f"LoRA rank {rank} on {len(lora_layers(models[name]))} layers of the text encoder {name}")
     return {TEXT_PREFIXES[name]: models[name] for name in names}
 
@@ -272,9 +280,9 @@ def text_optimizer(text, lr, rates, weight_decay):
         return None
     rates = rates or (lr,)
     rates = rates * len(text) if len(rates) == 1 else rates
-    groups = [{"params": [p for p in encoder.parameters() if p.requires_grad], "lr_ratio": rate / lr}
-              for encoder, rate in zip(text.values(), rates)]
-    return adamw(groups, lr, weight_decay)
+    optimizer = adamw([{"params": lora_parameters(encoder)} for encoder in text.values()], lr, weight_decay)
+    optimizer.lr_ratios = [rate / lr for rate in rates]  # set_lr's (an attribute: a resume does not restore it)
+    return optimizer
 
 
 def text_modules(text):

@@ -171,7 +171,8 @@ def earlier_layout(state):
 EARLIER_VALUES = {"frozen_dtype": "fp32", "caption_prefix": "", "caption_suffix": "", "caption_lines": "join",
                   "random_flip": 0.0, "shuffle_tags": 0, "keep_tags": 0, "val_fraction": 0.0, "trained_dtype": "fp32",
                   "stochastic_rounding": 1, "step_in_backward": 0, "route_ratio": 0.0, "route_first": 2,
-                  "route_last": -2}
+                  "route_last": -2, "adapter": "lora", "lokr_factor": -1, "train_text_encoders": (),
+                  "text_encoder_steps": 0}
 
 
 @dataclass(frozen=True)
