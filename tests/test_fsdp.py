@@ -306,9 +306,12 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
             "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
     launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
-    if stage == "lora":  # in the same launch: LoRA on the text encoder too, its gradients averaged over DDP's two
-        runs["text"] = tmp_path_factory.mktemp("text")
+    if stage == "lora":  # in the same launch: LoRA on the text encoder too, its gradients averaged over DDP's two;
+        runs["text"] = tmp_path_factory.mktemp("text")  # and LoKr and DoRA, sharded and not
         launched.append(args[1:] + ["--train_text_encoders", "text"] + folders(runs["text"]))
+        for kind, mode in [(kind, mode) for kind in ("lokr", "dora") for mode in ("fsdp2", "ddp2")]:
+            runs[f"{kind}_{mode}"] = tmp_path_factory.mktemp(f"{kind}_{mode}")
+            launched.append(args[1:] + ["--adapter", kind] + MODES[mode][1] + folders(runs[f"{kind}_{mode}"]))
     run_many(f"trainer.{Path(script).stem}", launched)
     sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
     assert sharded.keys() == reference.keys()
@@ -321,6 +324,10 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     # only the adapters were trained: they alone are in the shards, with their AdamW state
     assert state["model"].keys() == sharded.keys() and all(".lora_" in k for k in sharded)
     assert set(state["optimizer"]["state"]) == {k.removeprefix("transformer.") for k in sharded}
+    for kind, key in (("lokr", ".lokr_w1"), ("dora", ".dora_scale")):  # sharded as DDP trains them
+        kind_sharded, kind_ddp = export(runs[f"{kind}_fsdp2"]), export(runs[f"{kind}_ddp2"])
+        assert kind_sharded.keys() == kind_ddp.keys() and any(k.endswith(key) for k in kind_sharded)
+        assert all((value - kind_ddp[k]).abs().max() <= 1e-5 for k, value in kind_sharded.items()), kind
     text = export(runs["text"])
     assert text.keys() - reference.keys() and all(k.startswith("text_encoder.") for k in text.keys() - reference.keys())
     assert all(v.abs().sum() > 0 for k, v in text.items() if k.startswith("text_encoder.") and "lora_B" in k)

@@ -121,8 +121,6 @@ class StageParser(argparse.ArgumentParser):
         if adapter == "dora" and given.get("frozen_dtype") == "int8":
             self.error("--adapter dora renormalises the base weight's columns, which int8 weights do not hold "
                        "exactly: use --frozen_dtype bf16, or --adapter lora")
-        if adapter != "lora" and given.get("fsdp"):
-            self.error(f"--adapter {adapter} does not shard yet: use DDP (--fsdp 0), or --adapter lora")
         self.check_text_encoders(given)
         type(args).data_settings = filled(DataSettings, given)
         return args, rest
