@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
-    Adapter, LoRAExport, LoRAWeights, lora_layers, resolve_targets,
+    Adapter, LoRAExport, LoRAWeights, lora_layers, lora_parameters, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
@@ -234,7 +234,7 @@ def accumulate(args, inputs, learner, info):
         loss = flow_loss_of(learner.train_model, batch, learner.recipe)
         (loss / args.accumulation_steps).backward()
         total = total + loss.detach().double()  # on the device: read at the log step, after the all-reduce
-    average_gradients([p for encoder in learner.text.values() for p in encoder.parameters()], info)
+    average_gradients([p for encoder in learner.text.values() for p in lora_parameters(encoder)], info)
     return total
 
 
