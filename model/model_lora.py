@@ -39,7 +39,7 @@ TARGET_GROUPS = {
 # a CLIP text encoder's attention and MLP projections: the layers ComfyUI maps for CLIP-L and CLIP-G
 TEXT_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 DEFAULT_TARGETS = ("attention",)
-ADAPTER_KINDS = ("lora", "lokr", "dora")
+ADAPTER_KINDS = {"lora": "LoRA", "lokr": "LoKr", "dora": "DoRA"}  # the kinds, and their names in a log line
 ADAPTER_SUFFIXES = (".dora_scale", ".lokr_w1", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".alpha")
 KIND_KEY = "minisd3_adapter"  # our metadata: the adapter's kind (and LoKr's factor), where it is not a plain LoRA
 FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters

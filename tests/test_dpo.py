@@ -19,7 +19,7 @@ from eval.eval_geneval import TASKS, all_prompts, clauses_held, ground_truth_ima
 from eval.shape_scorer import find_objects
 from model.checkpoint import checkpoint_file, first_difference, load_safetensors, load_torch, read_manifest
 from model.components import BuiltinComponents
-from model.model_lora import read_lora_file
+from model.model_lora import ADAPTER_KINDS, read_lora_file
 from trainer import preference
 from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
 
@@ -172,11 +172,14 @@ def probe(config):
             generator=g), torch.randn(1, config.pooled_projection_dim, generator=g), torch.tensor([500.0]))
 
 
+ADAPTER_PARTS = ("lora_", "lokr_", "dora_scale")  # in the names of LoRA's, LoKr's and DoRA's tensors
+
+
 def digest_of(module, adapters):
     """A digest of the module's adapter weights, or of all the others."""
     h = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
-        if ("lora_" in name) == adapters:
+        if any(part in name for part in ADAPTER_PARTS) == adapters:
             h.update(name.encode() + tensor.detach().cpu().numpy().tobytes())
     return h.hexdigest()
 
@@ -202,12 +205,24 @@ def test_the_reference_never_changes_and_the_policy_does(tmp_path, start, monkey
     assert "pair_score" in rows[0] and "pair_score" in rows[2] and "pair_score" not in rows[1]
 
 
-def test_with_lora_only_the_adapters_train_against_the_adapters_off(tmp_path, start, monkeypatch):
-    watch, _ = run_watched(tmp_path, start, monkeypatch, "--max_steps", "3", "--lora_rank", "4")
+@pytest.mark.parametrize("adapter,keys", [("lora", (".lora_A.", ".lora_B.")), ("lokr", (".lokr_w1", ".lokr_w2")),
+                                          ("dora", (".lora_A.", ".lora_B.", ".dora_scale"))])
+def test_with_adapters_only_they_train_against_the_adapters_off(tmp_path, start, monkeypatch, adapter, keys):
+    watch, messages = run_watched(tmp_path, start, monkeypatch, "--max_steps", "3", "--lora_rank", "4",
+                                  "--adapter", adapter)
     assert len({c["base"] for c in watch.calls}) == 1 and len({c["adapters"] for c in watch.calls}) == 3
     assert len({c["reference"] for c in watch.calls}) == 1  # the base, adapters off, never changes
     state, config, record = read_lora_file(str(tmp_path / "out" / "lora" / "lora_dpo_tiny.safetensors"))
-    assert config["rank"] == 4 and record["stage"] == "dpo" and all("lora" in k for k in state)
+    assert config["rank"] == 4 and record["stage"] == "dpo" and config["kind"] == adapter
+    assert all(any(k.endswith(".alpha") or part in k for part in keys) for k in state)
+    assert all(any(part in k for k in state) for part in keys)
+    assert any(m.startswith(f"policy {ADAPTER_KINDS[adapter]} rank 4 on ") for m in messages)
+
+
+def test_an_adapter_kind_without_a_rank_is_a_one_line_error(tmp_path, start):
+    result = run(["trainer/train_dpo.py", *argv(tmp_path, start), "--adapter", "lokr"], check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: --adapter lokr trains adapters: give their --lora_rank too (0 tunes all weights) (see --help)"]
 
 
 def test_a_stopped_run_resumes_bitwise_on_the_same_pairs(tmp_path, start, monkeypatch):

@@ -121,6 +121,8 @@ class StageParser(argparse.ArgumentParser):
         if adapter == "dora" and given.get("frozen_dtype") == "int8":
             self.error("--adapter dora renormalises the base weight's columns, which int8 weights do not hold "
                        "exactly: use --frozen_dtype bf16, or --adapter lora")
+        if adapter != "lora" and given.get("lora_rank") == 0:  # Flow-DPO's 0: all weights tune, no adapter
+            self.error(f"--adapter {adapter} trains adapters: give their --lora_rank too (0 tunes all weights)")
         self.check_text_encoders(given)
         type(args).data_settings = filled(DataSettings, given)
         return args, rest
@@ -270,17 +272,23 @@ def add_block_swap_args(parser):
                              "auto = the fewest for the memory estimate to fit this GPU (none on a CPU); 0 = none")
 
 
-def add_adapter_args(parser):
-    """The LoRA stage's adapters (model/model_lora.py, model/lokr.py): their kind, rank, alpha, dropout, targets."""
+def add_adapter_kind_args(parser):
+    """Which adapter (model/model_lora.py, model/lokr.py), for the stages that train adapters."""
     a = parser.recipe.add_argument
     a("--adapter", default="lora", choices=list(ADAPTER_KINDS), help="lora; dora = LoRA with a trained magnitude per "
       "input column (the weight renormalised); lokr = a Kronecker product of two small factors (LyCORIS's), the "
       "second low-rank where --lora_rank is below half its side")
+    a("--lokr_factor", type=lokr_factor, default=-1, help="with --adapter lokr: split each dimension with this factor "
+      "where it divides it; -1 = the most nearly square split")
+
+
+def add_adapter_args(parser):
+    """The LoRA stage's adapters (model/model_lora.py, model/lokr.py): their kind, rank, alpha, dropout, targets."""
+    a = parser.recipe.add_argument
+    add_adapter_kind_args(parser)
     a("--lora_rank", type=positive_int, default=8)
     a("--lora_alpha", type=positive_float, default=None, help="the update is scaled by alpha/rank; default: rank "
       "(scale 1)")
-    a("--lokr_factor", type=lokr_factor, default=-1, help="with --adapter lokr: split each dimension with this factor "
-      "where it divides it; -1 = the most nearly square split")
     a("--lora_dropout", type=probability, default=0.0)
     a("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or module "
       "name suffixes (e.g. to_q,to_v)")

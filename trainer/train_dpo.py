@@ -35,15 +35,17 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import swap_request  # noqa: E402
-from model.model_lora import TARGET_GROUPS, LoRAExport, LoRAWeights, resolve_targets  # noqa: E402
+from model.model_lora import (  # noqa: E402
+    ADAPTER_KINDS, TARGET_GROUPS, Adapter, LoRAExport, LoRAWeights, resolve_targets,
+)
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_block_swap_args, add_export_args, add_flow_args, add_optimizer_args,
-    add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, non_negative_float,
-    non_negative_int, positive_float, positive_int,
+    SAVE_DTYPES, StageParser, add_adapter_kind_args, add_block_swap_args, add_export_args, add_flow_args,
+    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
+    non_negative_float, non_negative_int, positive_float, positive_int,
 )
 from trainer.preference import (  # noqa: E402
     PROMPTS_PER_TASK, DPOLearner, DPORecipe, PairPool, PairRounds, PreferencePairs, adapters_off_reference,
@@ -76,6 +78,7 @@ def parse_args(argv=None):
            "of a diffusers folder, or 'base' = --base's transformer")
     recipe("--dpo_beta", type=positive_float, default=1000.0, help="how far the policy may move from the reference "
            "for a preference: higher = stays nearer")
+    add_adapter_kind_args(parser)  # with --lora_rank: LoRA, DoRA or LoKr
     recipe("--lora_alpha", type=positive_float, default=None, help="default: rank (scale 1)")
     recipe("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or "
            "module name suffixes")
@@ -153,13 +156,17 @@ def policy(args, source, precision, info, plan, log):
     checkpointing = plan.checkpointing
     if args.lora_rank:
         model = adapted_frozen(source, precision.frozen, info, plan.blocks_to_swap,
-                               (args.lora_targets, args.lora_rank, args.lora_alpha, 0.0), log)
+                               (args.lora_targets, args.lora_rank, args.lora_alpha, 0.0,
+                                Adapter(args.adapter, args.lokr_factor)), log)
         reference = None
     else:
         model, reference = (load_network(source, role, precision.frozen, info) for role in ("trained", "frozen"))
     for net in (model, reference):
         if net is not None:
             net.gradient_checkpointing = checkpointing
+    adapters = f"{ADAPTER_KINDS[args.adapter]} rank {args.lora_rank} on " if args.lora_rank else ""
+    log(f"policy {adapters}{source['manifest']} (step {source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
+        f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
     return model, reference
 
 
@@ -167,7 +174,8 @@ def memory_plan(args, config):
     """What the memory estimate weighs (model/memory.py): the adapters on a frozen transformer of `config` (a bad
     --lora_targets: one line), or every weight and the frozen reference; AdamW on what trains, the EMA, and a
     micro-batch of pairs (two images forward each)."""
-    trained = (adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha),) if args.lora_rank \
+    trained = (adapter_count(config, args.lora_targets, args.lora_rank, args.lora_alpha,
+                             Adapter(args.adapter, args.lokr_factor)),) if args.lora_rank \
         else ("trained", "frozen")
     streamable = None if args.lora_rank else "Flow-DPO swaps the blocks of a frozen base: pass --lora_rank (adapters)"
     return MemoryPlan(trained, "adamw", args.ema_decay > 0, args.ema_device, 2 * args.batch_size, args.resolution,
@@ -209,9 +217,6 @@ def main(argv=None):
     plan = fit_memory(config, plan, components, precision, info, metrics.log)
     model, reference = policy(args, source, precision, info, plan, metrics.log)
     log_peak(info, "the weights loaded", metrics.log)
-    metrics.log(f"policy {'LoRA rank %d on ' % args.lora_rank if args.lora_rank else ''}{source['manifest']} (step "
-                f"{source['step']}), Flow-DPO with beta {args.dpo_beta:g} against "
-                f"{'its adapters off' if args.lora_rank else 'a frozen copy'}; pairs: {args.pairs}")
 
     # DDP or FSDP (the reference sharded, not wrapped); AdamW on what trains: all weights, or the adapters
     train_model = data_parallel(model, info, args.compile, precision.autocast)

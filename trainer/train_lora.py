@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.block_swap import swap_request  # noqa: E402
 from model.model_lora import (  # noqa: E402
-    Adapter, LoRAExport, LoRAWeights, lora_layers, lora_parameters, resolve_targets,
+    ADAPTER_KINDS, Adapter, LoRAExport, LoRAWeights, lora_layers, lora_parameters, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
@@ -131,9 +131,6 @@ def memory_plan(args, config):
                       blocks_to_swap=swap_request(args.blocks_to_swap, bool(args.fsdp), None, config.num_layers))
 
 
-ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr"}
-
-
 def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; the loop."""
     args = parse_args(argv)
@@ -168,7 +165,7 @@ def main(argv=None):
                             Adapter(args.adapter, args.lokr_factor)), metrics.log)  # the frozen base, adapted
     model.gradient_checkpointing = plan.checkpointing
     log_peak(info, "the weights loaded", metrics.log)
-    metrics.log(f"{ADAPTER_NAMES[args.adapter]} rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
+    metrics.log(f"{ADAPTER_KINDS[args.adapter]} rank {args.lora_rank}, alpha {args.lora_alpha or args.lora_rank:g} on "
                 f"{len(lora_layers(model))} layers of {source['manifest']} (step {source['step']}, frozen in "
                 f"{precision.frozen})")
 
