@@ -164,7 +164,6 @@ def test_text_encoder_options_that_cannot_run_are_one_line_each(capsys):
 
     for argv, said in ((["--train_text_encoders", "text", "--text_encoder_lr", "1e-4,2e-4"], "one per encoder"),
                        (["--train_text_encoders", "text", "--cuda_graph", "1"], "--cuda_graph 0"),
-                       (["--train_text_encoders", "text", "--fsdp", "1"], "use DDP"),
                        (["--train_text_encoders", "text,text"], "names an encoder twice"),
                        (["--text_encoder_steps", "5"], "name them")):
         with pytest.raises(SystemExit):
@@ -176,6 +175,7 @@ def test_text_encoder_options_that_cannot_run_are_one_line_each(capsys):
     assert "no t5" in str(error.value) and "use text" in str(error.value)
     assert train_lora.parse_args(["--train_text_encoders", "clip_l,clip_g", "--text_encoder_lr", "1e-5"]) \
         .train_text_encoders == ("clip_l", "clip_g")
+    assert train_lora.parse_args(["--train_text_encoders", "text", "--fsdp", "1"]).fsdp  # sharded beside them
 
 
 def test_a_trained_encoder_run_from_ids_encodes_as_the_cached_one_before_it_trains():

@@ -306,12 +306,18 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
             "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
     launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
-    if stage == "lora":  # in the same launch: LoRA on the text encoder too, its gradients averaged over DDP's two;
-        runs["text"] = tmp_path_factory.mktemp("text")  # and LoKr and DoRA, sharded and not
-        launched.append(args[1:] + ["--train_text_encoders", "text"] + folders(runs["text"]))
-        for kind, mode in [(kind, mode) for kind in ("lokr", "dora") for mode in ("fsdp2", "ddp2")]:
-            runs[f"{kind}_{mode}"] = tmp_path_factory.mktemp(f"{kind}_{mode}")
-            launched.append(args[1:] + ["--adapter", kind] + MODES[mode][1] + folders(runs[f"{kind}_{mode}"]))
+    if stage == "lora":  # in the same launch: LoKr and DoRA, each with LoRA on the text encoder too and an EMA,
+        # sharded and under DDP; and sharded to step 6, in one go and resumed from the 3rd (the 6 steps are within
+        # the recipe's warmup of 10: their rates do not depend on --max_steps)
+        for kind in ("lokr", "dora"):
+            own = args[1:] + ["--adapter", kind, "--train_text_encoders", "text", "--ema_decay", "0.9"]
+            for label in (f"{kind}_fsdp2", f"{kind}_ddp2", f"{kind}_6", f"{kind}_resumed"):
+                runs[label] = tmp_path_factory.mktemp(label)
+            launched += [own + MODES[mode][1] + folders(runs[f"{kind}_{mode}"]) for mode in ("fsdp2", "ddp2")]
+            launched += [own + MODES["fsdp2"][1] + ["--max_steps", "6"] + folders(runs[f"{kind}_6"]),
+                         own + MODES["fsdp2"][1] + ["--max_steps", "6", "--from_resume",
+                                                    str(runs[f"{kind}_fsdp2"] / "ckpt" / f"{name}_resume.json")]
+                         + folders(runs[f"{kind}_resumed"])]
     run_many(f"trainer.{Path(script).stem}", launched)
     sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
     assert sharded.keys() == reference.keys()
@@ -324,13 +330,20 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     # only the adapters were trained: they alone are in the shards, with their AdamW state
     assert state["model"].keys() == sharded.keys() and all(".lora_" in k for k in sharded)
     assert set(state["optimizer"]["state"]) == {k.removeprefix("transformer.") for k in sharded}
-    for kind, key in (("lokr", ".lokr_w1"), ("dora", ".dora_scale")):  # sharded as DDP trains them
+    for kind, key in (("lokr", ".lokr_w1"), ("dora", ".dora_scale")):  # sharded as DDP trains them, text encoder too
         kind_sharded, kind_ddp = export(runs[f"{kind}_fsdp2"]), export(runs[f"{kind}_ddp2"])
         assert kind_sharded.keys() == kind_ddp.keys() and any(k.endswith(key) for k in kind_sharded)
-        assert all((value - kind_ddp[k]).abs().max() <= 1e-5 for k, value in kind_sharded.items()), kind
-    text = export(runs["text"])
-    assert text.keys() - reference.keys() and all(k.startswith("text_encoder.") for k in text.keys() - reference.keys())
-    assert all(v.abs().sum() > 0 for k, v in text.items() if k.startswith("text_encoder.") and "lora_B" in k)
+        worst = max(((value - kind_ddp[k]).abs().max().item(), k) for k, value in kind_sharded.items())
+        assert worst[0] <= 1e-5, (kind, worst)
+        text = {k: v for k, v in kind_sharded.items() if not k.startswith("transformer.")}
+        assert text and all(k.startswith("text_encoder.") for k in text)
+        assert sum(1 for k, v in text.items() if "lora_B" in k and v.abs().sum() > 0) == 12  # all trained
+        # stopped at step 3 and resumed (the encoder's adapters whole beside the shards), it ends bitwise as in one go
+        whole, resumed = (whole_resume_state(runs[f"{kind}_{end}"], name) for end in ("6", "resumed"))
+        assert whole["step"] == 6 and whole["text_optimizer"]["state"] and whole["ema"]
+        for part in ("model", "optimizer", "text_optimizer", "ema", "rng", "samples_seen", "epoch", "consumed"):
+            assert first_difference(whole[part], resumed[part], part) is None, (kind, part)
+        assert first_difference(export(runs[f"{kind}_6"]), export(runs[f"{kind}_resumed"])) is None, kind
     # the file loads in diffusers onto the base transformer and draws what our sampler draws with it
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -363,7 +376,9 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.mechanics.distributed import DistInfo, average_gradients, data_parallel, gathered, to_item
+    from trainer.mechanics.distributed import (
+        DistInfo, average_gradients, clip_grad_norm_mixed, data_parallel, gathered, to_item,
+    )
     from trainer.mechanics.distributed import whole as made_whole
     from trainer.trainer_utils import NonFiniteSteps, adamw, not_finite
 
@@ -409,6 +424,16 @@ def two_ranks_from_different_seeds(rank, folder):
         text[0].grad = torch.full((3,), float(rank + 1))
         average_gradients(text, DistInfo(rank, rank, 2))
         assert torch.equal(text[0].grad, torch.full((3,), 1.5)) and text[1].grad is None
+        # the sharded parameters and those whole beside them clipped by their joint norm, as torch clips all whole
+        small = 2.0 ** -7  # its squares sum exactly in fp32
+        for p in params:
+            p.grad = torch.full_like(p, small)
+        mixed = clip_grad_norm_mixed(params + text, 1.0)
+        expected = math.sqrt(sum(p.numel() for p in params) * small ** 2 + 3 * 1.5 ** 2)
+        clip = 1.0 / (mixed + 1e-6)
+        assert mixed.item() == pytest.approx(expected, rel=1e-6) and expected > 1.0
+        assert torch.equal(text[0].grad, torch.full((3,), 1.5) * clip) and text[1].grad is None
+        assert all(torch.equal(p.grad.full_tensor(), torch.full(p.shape, small) * clip) for p in params)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -141,8 +141,6 @@ class StageParser(argparse.ArgumentParser):
         if names and given.get("cuda_graph") == "1":
             self.error("--cuda_graph 1 captures a step from cached text: leave --train_text_encoders empty, or use "
                        "--cuda_graph 0")
-        if names and given.get("fsdp"):
-            self.error("--train_text_encoders does not shard yet: use DDP (--fsdp 0)")
 
     def namespace(self, recipe_note):
         return type("StageArgs", (argparse.Namespace,), {"resume_kinds": self.resume_kinds,

@@ -40,13 +40,14 @@ from trainer.arguments import (  # noqa: E402
     add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
     positive_int,
 )
+from trainer.mechanics.distributed import clip_grad_norm_mixed  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
     adapter_count, average_gradients, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
     init_distributed, log_peak, lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype,
     run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero,
-    sync_gradients, text_adapters, text_modules, text_optimizer, torch_dtype, training_dataset, whole, write_export,
+    sync_gradients, text_adapters, text_modules, text_optimizer, torch_dtype, training_dataset, write_export,
     write_steps,
 )
 
@@ -255,7 +256,8 @@ def train(args, info, position, data, learner, out):
                     # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether
                     # either is not finite: all on the device, where the update and the EMA are skipped if so
                     loss = mean_over_processes(total / args.accumulation_steps, info)
-                    grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+                    # (torch's clip_grad_norm_, where FSDP's sharded adapters train beside the text encoders' whole)
+                    grad_norm = clip_grad_norm_mixed(params, args.grad_clip)
                     skipped = not_finite(loss, grad_norm)
                     for optimizer in learner.optimizers:
                         optimizer.found_inf = skipped  # fused AdamW: no update where 1

@@ -147,6 +147,22 @@ def average_gradients(params, info):
         grad.copy_(mean)
 
 
+def clip_grad_norm_mixed(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over `params` that may mix FSDP's sharded parameters (DTensors) with whole
+    ones (the text encoders' adapters, the same on every process), which torch's cannot take in one list: torch's
+    own where they are of one kind; else each kind's norm alone, the sharded one made whole, and both kinds clipped
+    by their joint norm -> that norm (on the device, not read)."""
+    sharded = [p for p in params if is_dtensor(p)]
+    if len(sharded) in (0, len(params)):
+        return whole(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    kinds = (sharded, [p for p in params if not is_dtensor(p)])
+    total = torch.nn.utils.get_total_norm(
+        [whole(torch.nn.utils.get_total_norm([p.grad for p in kind if p.grad is not None])) for kind in kinds])
+    for kind in kinds:
+        torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
+    return total
+
+
 def any_process(flag, info):
     """Whether `flag` is set on any process: one all-reduce and one read where there are several, none on one."""
     if info.world_size == 1:
