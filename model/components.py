@@ -297,13 +297,13 @@ class SD3Components(nn.Module):
         return {**self.spec, "dtype": str(self.dtype).replace("torch.", ""), "files": files, **trained}
 
     def text_models(self):
-        """{name: text encoder}: those adapters can go on (--train_text_encoders), CLIP-L and CLIP-G."""
-        return {"clip_l": self.clip_l, "clip_g": self.clip_g}
+        """{name: text encoder}: those adapters can go on (--train_text_encoders), CLIP-L, CLIP-G and T5."""
+        return {"clip_l": self.clip_l, "clip_g": self.clip_g, **({"t5": self.t5} if self.t5 is not None else {})}
 
     def train_text_encoders(self, names):
         """From now on the encoders `names` encode to token ids, and condition runs them (with their adapters,
-        with gradients) at each call: they train, on the device from now, and are never freed. The others are
-        as they were (T5 stays cached)."""
+        with gradients) at each call: they train, on the device from now (T5 whole, never streamed), and are never
+        freed. The others are as they were (T5 stays cached unless named)."""
         self.trained_text = check_text_names(names, self.text_models())
         for name in self.trained_text:
             setattr(self, name, getattr(self, name).to(self.device))
@@ -350,7 +350,7 @@ class SD3Components(nn.Module):
             return
         self.placed = True
         self.clip_l, self.clip_g = self.clip_l.to(self.device), self.clip_g.to(self.device)
-        if self.t5 is not None and "T5" in self.streamed:
+        if self.t5 is not None and "T5" in self.streamed and "t5" not in self.trained_text:
             for name, child in [*self.t5.named_children(), *self.t5.encoder.named_children()]:
                 if name not in ("encoder", "block"):  # the embedding, the final norm: on the device for good
                     child.to(self.device)
@@ -380,8 +380,15 @@ class SD3Components(nn.Module):
         if self.t5 is not None:
             ids = self.tokenizers["t5"](captions, padding="max_length", max_length=self.t5_max_length, truncation=True,
                                         add_special_tokens=True, return_tensors="pt").input_ids.to(self.t5.device)
-            features["t5_tokens"] = self.t5(ids)[0].to(self.device)
+            if "t5" in self.trained_text:
+                features["t5_ids"] = ids
+            else:
+                features["t5_tokens"] = self.t5_features(ids)
         return features
+
+    def t5_features(self, ids):
+        """T5's tokens of token ids: its last hidden states (with gradients where its adapters train)."""
+        return self.t5(ids.to(self.t5.device))[0].to(self.device)
 
     def clip_features(self, name, ids):
         """CLIP `name`'s (tokens, pooled) of token ids: its penultimate hidden states and its projection, as
@@ -421,7 +428,9 @@ class SD3Components(nn.Module):
     def condition(self, features, drop=None):
         keep = None if drop is None else (~drop).float()
         for name in self.trained_text:  # run now, from their ids
-            if f"{name}_ids" in features:
+            if name == "t5" and "t5_ids" in features:
+                features = {**features, "t5_tokens": self.t5_features(features["t5_ids"])}
+            elif f"{name}_ids" in features:
                 tokens, pooled = self.clip_features(name, features[f"{name}_ids"])
                 features = {**features, f"{name}_tokens": tokens, f"{name}_pooled": pooled}
 

@@ -36,16 +36,24 @@ TARGET_GROUPS = {
     "ff": ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
     "adaln": ("norm1.linear", "norm1_context.linear"),
 }
-# a CLIP text encoder's attention and MLP projections: the layers ComfyUI maps for CLIP-L and CLIP-G
-TEXT_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+# each text encoder's attention and MLP projections: the layers ComfyUI maps for CLIP-L and CLIP-G (and the
+# built-in encoder, shaped as CLIP), and kohya's for T5 (q, k, v, o; wi, or wi_0 and wi_1 where it is gated; wo)
+CLIP_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+TEXT_TARGETS = {"text": CLIP_TARGETS, "clip_l": CLIP_TARGETS, "clip_g": CLIP_TARGETS,
+                "t5": ("SelfAttention.q", "SelfAttention.k", "SelfAttention.v", "SelfAttention.o", "DenseReluDense.wi",
+                       "DenseReluDense.wi_0", "DenseReluDense.wi_1", "DenseReluDense.wo")}
 DEFAULT_TARGETS = ("attention",)
 ADAPTER_KINDS = {"lora": "LoRA", "lokr": "LoKr", "dora": "DoRA"}  # the kinds, and their names in a log line
 ADAPTER_SUFFIXES = (".dora_scale", ".lokr_w1", ".lokr_w2", ".lokr_w2_a", ".lokr_w2_b", ".alpha")
 KIND_KEY = "minisd3_adapter"  # our metadata: the adapter's kind (and LoKr's factor), where it is not a plain LoRA
 FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters
 # the text encoders' prefixes, diffusers' for SD3's CLIP-L and CLIP-G (ComfyUI maps them too); the built-in encoder
-# of the tiny model, its only one, is the first
-TEXT_PREFIXES = {"text": "text_encoder.", "clip_l": "text_encoder.", "clip_g": "text_encoder_2."}
+# of the tiny model, its only one, is the first. T5's is ours inside a run (the resume file, the EMA, the metadata)
+TEXT_PREFIXES = {"text": "text_encoder.", "clip_l": "text_encoder.", "clip_g": "text_encoder_2.", "t5": "text_encoder_3."}
+# in the file T5's adapters take kohya's names, the ones ComfyUI maps for SD3's T5 (diffusers loads no T5 LoRA):
+# lora_te3_<module path, dots as underscores>.lora_down.weight (A), .lora_up.weight (B) and .alpha
+KOHYA_PREFIXES = {"text_encoder_3.": "lora_te3_"}
+KOHYA_NAMES = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight"}
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers reads rank, alpha and targets from
 
 
@@ -393,6 +401,27 @@ def under(state, prefix):
     return {k: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def to_kohya_names(state, prefix, alphas):
+    """`state` with the adapters under `prefix` (one of KOHYA_PREFIXES) renamed to kohya's names, and an `.alpha`
+    tensor (`alphas`: {module name: alpha}) beside each pair."""
+    kohya, renamed = KOHYA_PREFIXES[prefix], {}
+    for key, value in state.items():
+        if key.startswith(prefix):  # <prefix><module>.lora_A.weight (the text encoders' adapters are LoRA)
+            module, matrix, weight = key[len(prefix):].rsplit(".", 2)
+            key = f"{kohya}{module.replace('.', '_')}.{KOHYA_NAMES[matrix + '.' + weight]}"
+        renamed[key] = value
+    return {**renamed, **{f"{kohya}{m.replace('.', '_')}.alpha": torch.tensor(float(a)) for m, a in alphas.items()}}
+
+
+def from_kohya_names(state, prefix, modules):
+    """`state` with kohya's names of the adapters of `modules` (their names) back under `prefix`. A kohya key of no
+    such module is left as it is (a strict load then names it)."""
+    kohya = KOHYA_PREFIXES[prefix]
+    names = {f"{kohya}{m.replace('.', '_')}.{theirs}": f"{prefix}{m}.{ours}"
+             for m in modules for ours, theirs in KOHYA_NAMES.items()}
+    return {names.get(k, k): v for k, v in state.items()}
+
+
 def lora_config(model):
     """rank, alpha and the adapted modules: what rebuilding the adapters needs (one rank and alpha per model)."""
     layers = lora_layers(model)
@@ -501,6 +530,9 @@ def save_lora(model, path, record=None, state=None, dtype=None, fold_alpha=False
     if config["kind"] == "lokr":  # ComfyUI reads a LoKr's alpha from a tensor beside its factors
         state = {**state, **{f"{FILE_PREFIX}{name}.alpha": torch.tensor(float(config["alpha"]))
                              for name in config["target_modules"]}}
+    for prefix in KOHYA_PREFIXES.keys() & configs.keys():  # T5's: in the names ComfyUI reads
+        alphas = {name: configs[prefix]["alpha"] for name in configs[prefix]["target_modules"]}
+        state = to_kohya_names(state, prefix, alphas)
     tensors = {k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in state.items()}
     return write_safetensors(path, tensors, metadata=file_metadata(configs, record), float_dtype=dtype)
 
@@ -526,13 +558,17 @@ def read_lora_file(path):
     (config_from_metadata), our record or None)."""
     with safe_open(path, framework="pt") as f:
         metadata = f.metadata() or {}
-        state = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".alpha")}  # a LoKr's: in the metadata too
+        state = {k: f.get_tensor(k) for k in f.keys() if not k.endswith(".alpha")}  # alpha: in the metadata too
     record = json.loads(metadata["minisd3"]) if "minisd3" in metadata else None
-    return state, config_from_metadata(metadata), record
+    config = config_from_metadata(metadata)
+    for prefix in KOHYA_PREFIXES.keys() & config["text"].keys():  # T5's: back under our prefix
+        state = from_kohya_names(state, prefix, config["text"][prefix]["target_modules"])
+    return state, config, record
 
 
 def is_lora_file(path):
-    """Whether `path` is a safetensors file of LoRA adapters (every key a lora_A or lora_B matrix)."""
+    """Whether `path` is a safetensors file of adapters (every key a lora_A or lora_B matrix, another kind's tensor,
+    or T5's under kohya's prefix)."""
     if not (os.path.isfile(path) and path.endswith(".safetensors")):
         return False
     try:
@@ -540,7 +576,8 @@ def is_lora_file(path):
             keys = list(f.keys())
     except (OSError, ValueError, RuntimeError):
         return False
-    return bool(keys) and all(".lora_A." in k or ".lora_B." in k or k.endswith(ADAPTER_SUFFIXES) for k in keys)
+    return bool(keys) and all(".lora_A." in k or ".lora_B." in k or k.endswith(ADAPTER_SUFFIXES) or
+                              k.startswith(tuple(KOHYA_PREFIXES.values())) for k in keys)
 
 
 def attach_lora(model, state, config, dropout=0.0, prefix=FILE_PREFIX):

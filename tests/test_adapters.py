@@ -185,7 +185,7 @@ def test_a_trained_encoder_run_from_ids_encodes_as_the_cached_one_before_it_trai
     captions = ["a large red circle", "", "!!!"]  # a blank caption is the unconditional input (zeros), "!!!" is not
     cached, trained = BuiltinComponents(["red", "circle"]), BuiltinComponents(["red", "circle"])
     trained.train_text_encoders(("text",))
-    apply_lora(trained.text_models()["text"], TEXT_TARGETS, rank=2)
+    apply_lora(trained.text_models()["text"], TEXT_TARGETS["text"], rank=2)
     features = trained.encode_text(captions)
     assert set(features) == {"text_ids", "text_blank"}
     for ours, theirs in zip(trained.condition(features), cached.encode_prompts(captions)):

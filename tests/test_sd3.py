@@ -278,3 +278,45 @@ def test_text_encoder_lora_trains_clip_from_cached_ids_and_diffusers_encodes_pro
     for k, ours_part in ((0, ours[0]), (2, ours[1])):  # (prompt_embeds, _, pooled, _)
         assert (ours_part - theirs[k]).abs().max() <= 1e-5 * theirs[k].abs().max()
         assert (theirs[k] - before[k]).abs().max() > 1e-3  # the adapters trained
+
+
+@pytest.mark.slow
+def test_t5_lora_trains_from_cached_ids_and_is_saved_in_the_names_comfyui_maps(tmp_path, sd3, capsys):
+    from transformers import T5EncoderModel
+
+    args = ["--base", sd3, "--from_weight", "base", "--data", "builtin", "--num_samples", "4", *FAST, *dirs(tmp_path),
+            "--prior_data", "none", "--train_text_encoders", "t5", "--text_encoder_lr", "0.01"]
+    lora = run_here(train_lora, args, capsys)
+    assert "LoRA rank 8 on 7 layers of the text encoder t5" in lora.stdout  # q, k, v, o, wi_0, wi_1, wo
+    cached = next((tmp_path / "cache").rglob("*.safetensors"))
+    with safe_open(str(cached), framework="pt") as f:
+        keys = set(f.keys())
+    assert any("t5_ids" in k for k in keys) and not any("t5_tokens" in k for k in keys)
+    assert any("clip_l_tokens" in k for k in keys)  # the CLIP encoders, which do not train, stay cached
+    # kohya's names, which ComfyUI maps for SD3's T5: lora_te3_ and T5's module path, dots as underscores
+    path = tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        raw = {k: f.get_tensor(k) for k in f.keys() if k.startswith("lora_te3_")}
+    base = T5EncoderModel.from_pretrained(os.path.join(sd3, "text_encoder_3")).eval()
+    comfyui = {"lora_te3_" + k[:-len(".weight")].replace(".", "_"): k for k in base.state_dict()
+               if k.endswith(".weight")}
+    stems = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in raw}
+    assert len(stems) == 7 and stems <= comfyui.keys() and len(raw) == 3 * len(stems)
+    merged = base.state_dict()
+    for stem in stems:  # W + up @ down * alpha / rank, as ComfyUI applies it
+        down, up, alpha = raw[f"{stem}.lora_down.weight"], raw[f"{stem}.lora_up.weight"], raw[f"{stem}.alpha"]
+        weight = merged[comfyui[stem]]
+        assert down.shape == (8, weight.shape[1]) and up.shape == (weight.shape[0], 8) and alpha.item() == 8.0
+        merged[comfyui[stem]] = weight + (up.float() @ down.float()) * alpha.item() / 8
+    # our sampler applies them: its T5 tokens are those of the weights merged by hand, and moved from the base's
+    _, components, _, _ = load_for_sampling(None, str(tmp_path / "out"), "cpu", lora=str(path))
+    prompts = ["a large red circle in the center", "two blue squares"]
+    ids = components.tokenizers["t5"](prompts, padding="max_length", max_length=components.t5_max_length,
+                                      truncation=True, return_tensors="pt").input_ids
+    ours = components.encode_prompts(prompts)[0][:, 77:]  # after CLIP's 77 tokens
+    with torch.no_grad():
+        before = base(ids)[0]
+        base.load_state_dict(merged)
+        by_hand = base(ids)[0]
+    assert (ours - by_hand).abs().max() <= 1e-5 * by_hand.abs().max()
+    assert (by_hand - before).abs().max() > 1e-3  # the adapters trained

@@ -291,8 +291,9 @@ def add_adapter_args(parser):
     a("--lora_targets", default="attention", help=f"comma-separated groups ({', '.join(TARGET_GROUPS)}) or module "
       "name suffixes (e.g. to_q,to_v)")
     a("--train_text_encoders", type=names_list, default=(), help="LoRA (--lora_rank, --lora_alpha) on these text "
-      "encoders' attention and MLP too, comma-separated: clip_l,clip_g with SD3 components, text with the built-in "
-      "one; each then encodes at every step (the cache keeps its token ids), T5 stays cached")
+      "encoders' attention and MLP too, comma-separated: clip_l,clip_g (and t5, kohya's opt-in) with SD3 "
+      "components, text with the built-in one; each then encodes at every step (the cache keeps its token ids), "
+      "the others stay cached")
     a("--text_encoder_lr", type=rates, default=None, help="the text encoders' learning rate: one, or one per "
       "encoder in --train_text_encoders' order (kohya's --text_encoder_lr); default: --learning_rate")
     a("--text_encoder_steps", type=non_negative_int, default=0, help="the text encoders train for this many steps, "

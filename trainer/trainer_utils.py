@@ -267,7 +267,7 @@ def text_adapters(components, names, rank, alpha, log):
     components.train_text_encoders(names)
     models = components.text_models()
     for name in names:
-        apply_lora(models[name], TEXT_TARGETS, rank, alpha)
+        apply_lora(models[name], TEXT_TARGETS[name], rank, alpha)
         log(f"LoRA rank {rank} on {len(lora_layers(models[name]))} layers of the text encoder {name}")
     return {TEXT_PREFIXES[name]: models[name] for name in names}
 
