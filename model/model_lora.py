@@ -49,7 +49,8 @@ KIND_KEY = "minisd3_adapter"  # our metadata: the adapter's kind (and LoKr's fac
 FILE_PREFIX = "transformer."  # diffusers' key prefix for the transformer's adapters
 # the text encoders' prefixes, diffusers' for SD3's CLIP-L and CLIP-G (ComfyUI maps them too); the built-in encoder
 # of the tiny model, its only one, is the first. T5's is ours inside a run (the resume file, the EMA, the metadata)
-TEXT_PREFIXES = {"text": "text_encoder.", "clip_l": "text_encoder.", "clip_g": "text_encoder_2.", "t5": "text_encoder_3."}
+TEXT_PREFIXES = {"text": "text_encoder.", "clip_l": "text_encoder.", "clip_g": "text_encoder_2.",
+                 "t5": "text_encoder_3."}
 # in the file T5's adapters take kohya's names, the ones ComfyUI maps for SD3's T5 (diffusers loads no T5 LoRA):
 # lora_te3_<module path, dots as underscores>.lora_down.weight (A), .lora_up.weight (B) and .alpha
 KOHYA_PREFIXES = {"text_encoder_3.": "lora_te3_"}
