@@ -167,6 +167,15 @@ class BuiltinComponents(nn.Module):
     def encode_prompts(self, captions):
         return self.condition(self.encode_text(captions))
 
+    def trained_outputs(self, captions):
+        """The encoder's output for `captions` if it trains, run from their ids as condition runs it at a step
+        (with gradients) -> {feature name: tensor}, empty if it does not train."""
+        if not self.trained_text:
+            return {}
+        features = self.encode_text(captions)
+        tokens, pooled = self.text_encoder.encode_ids(features["text_ids"], features["text_blank"])
+        return {"text_tokens": tokens, "text_pooled": pooled}
+
     def trained_state_dict(self):
         """What must be saved with the transformer for sampling to be identical later."""
         return {"text_encoder." + k: v for k, v in self.text_encoder.model.state_dict().items()}
@@ -369,33 +378,34 @@ class SD3Components(nn.Module):
         features = {}
         clip_limit = self.tokenizers["clip_l"].model_max_length
         self.truncated_captions += sum(len(ids) > clip_limit for ids in self.tokenizers["clip_l"](captions).input_ids)
-        for name in ("clip_l", "clip_g"):
-            tokenizer = self.tokenizers[name]
-            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                            return_tensors="pt").input_ids.to(self.device)
-            if name in self.trained_text:
-                features[f"{name}_ids"] = ids
-            else:
-                features[f"{name}_tokens"], features[f"{name}_pooled"] = self.clip_features(name, ids)
-        if self.t5 is not None:
-            ids = self.tokenizers["t5"](captions, padding="max_length", max_length=self.t5_max_length, truncation=True,
-                                        add_special_tokens=True, return_tensors="pt").input_ids.to(self.t5.device)
-            if "t5" in self.trained_text:
-                features["t5_ids"] = ids
-            else:
-                features["t5_tokens"] = self.t5_features(ids)
+        for name in self.text_encoders:
+            ids = self.token_ids(name, captions)
+            features.update({f"{name}_ids": ids} if name in self.trained_text else self.run_encoder(name, ids))
         return features
 
-    def t5_features(self, ids):
-        """T5's tokens of token ids: its last hidden states (with gradients where its adapters train)."""
-        return self.t5(ids.to(self.t5.device))[0].to(self.device)
+    def token_ids(self, name, captions):
+        """Encoder `name`'s token ids of `captions`, padded to its length (CLIP's 77, --t5_max_length)."""
+        tokenizer = self.tokenizers[name]
+        length = self.t5_max_length if name == "t5" else tokenizer.model_max_length
+        return tokenizer(captions, padding="max_length", max_length=length, truncation=True,
+                         return_tensors="pt").input_ids.to(self.device)
 
-    def clip_features(self, name, ids):
-        """CLIP `name`'s (tokens, pooled) of token ids: its penultimate hidden states and its projection, as
-        diffusers' pipeline takes them (with gradients where its adapters train)."""
+    def run_encoder(self, name, ids):
+        """Encoder `name` run on token ids -> its features: CLIP's "<name>_tokens" (its penultimate hidden states)
+        and "<name>_pooled" (its projection), as diffusers' pipeline takes them; T5's "t5_tokens" (its last
+        hidden states). With gradients where its adapters train."""
         encoder = getattr(self, name)
+        if name == "t5":
+            return {"t5_tokens": encoder(ids.to(encoder.device))[0].to(self.device)}
         out = encoder(ids.to(encoder.device), output_hidden_states=True)
-        return out.hidden_states[-2].to(self.device), out.text_embeds.to(self.device)
+        return {f"{name}_tokens": out.hidden_states[-2].to(self.device),
+                f"{name}_pooled": out.text_embeds.to(self.device)}
+
+    def trained_outputs(self, captions):
+        """The encoders that train run on `captions` from their ids, as condition runs them at a step (with
+        gradients) -> {feature name: tensor}, empty where none trains."""
+        return {k: v for name in self.trained_text for k, v in self.run_encoder(name, self.token_ids(name, captions))
+                .items()}
 
     def free_text_encoders(self, prompts, encoded=None):
         """Training from the cache needs no text encoder but for the sample grids' prompts: encode those now (or
@@ -428,11 +438,8 @@ class SD3Components(nn.Module):
     def condition(self, features, drop=None):
         keep = None if drop is None else (~drop).float()
         for name in self.trained_text:  # run now, from their ids
-            if name == "t5" and "t5_ids" in features:
-                features = {**features, "t5_tokens": self.t5_features(features["t5_ids"])}
-            elif f"{name}_ids" in features:
-                tokens, pooled = self.clip_features(name, features[f"{name}_ids"])
-                features = {**features, f"{name}_tokens": tokens, f"{name}_pooled": pooled}
+            if f"{name}_ids" in features:
+                features = {**features, **self.run_encoder(name, features[f"{name}_ids"])}
 
         def part(name, key, index):
             x = features[f"{name}_{key}"].float()

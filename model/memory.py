@@ -15,6 +15,8 @@ and where it exceeds the device (a GPU's free memory, or the RAM of a CPU run) a
                  dtype but for the layer norms' outputs, fp32 under CUDA autocast; --gradient_checkpointing auto
                  recomputes the fewest blocks for the whole to fit AUTO_SHARE of the device
     components   the VAE and text encoders as loaded (the text encoders are freed once training reads the cache)
+    text activations  with --train_text_encoders, what one micro-batch's forward through them keeps for backward,
+                 measured on one caption before the run (text_activation_bytes)
     save         about two of the largest tensor, on a CPU: a save writes and reads back a tensor at a time
     runtime      the process itself (CPU: Python and torch; GPU: what the CUDA context and kernels take)
 
@@ -80,6 +82,7 @@ class MemoryPlan:
     step_in_backward: bool = False  # --step_in_backward 1: no more than one gradient at a time
     blocks_to_swap: object = 0  # --blocks_to_swap: a count, or "auto" (fitted_plan)
     text_adapters: int = 0  # trainable adapter parameters on text encoders (--train_text_encoders), held in fp32
+    text_activations: int = 0  # bytes a micro-batch's forward through those encoders keeps for backward (measured)
 
 
 def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, device_type):
@@ -104,6 +107,8 @@ def estimate(config, plan, frozen_dtype, shards, activations, components_bytes, 
     text = plan.text_adapters
     parts.update(gradients=parts["gradients"] + 4 * text, optimizer=parts["optimizer"] + 8 * text,
                  EMA=parts["EMA"] + (4 * text if ema_on_device else 0))
+    if plan.text_activations:  # and what their forward keeps for backward, held beside the transformer's
+        parts["text activations"] = plan.text_activations
     if plan.blocks_to_swap:
         parts = with_swap(parts, plan, frozen_dtype, swap_sizes(block_shapes(model), plan.blocks_to_swap))
     save = 2 * 4 * largest if device_type == "cpu" and any(trained) else 0  # one tensor written, one read back
@@ -186,11 +191,30 @@ def fit_memory(config, plan, components, precision, info, log):
     auto resolved for the device (fitted_plan), and its estimate logged -> the plan (`plan.checkpointing`: what the
     model recomputes in backward; `plan.blocks_to_swap`: how many blocks stream from host memory)."""
     # the adapters on the text encoders that train (--train_text_encoders) are the components' trainable parameters
-    plan = replace(plan, text_adapters=sum(p.numel() for p in components.parameters() if p.requires_grad))
+    plan = replace(plan, text_adapters=sum(p.numel() for p in components.parameters() if p.requires_grad),
+                   text_activations=plan.batch_size * text_activation_bytes(components))
     plan = fitted_plan(config, plan, device_memory(info.device), *run_holding(components, precision, info))
     for line in estimate_lines(config, plan, components, precision, info):
         log(line)
     return plan
+
+
+def text_activation_bytes(components):
+    """What one sample's forward through the text encoders that train keeps for backward, in bytes, measured: the
+    tensors autograd saves while they encode one caption as a step does (each storage once, their weights left
+    out); 0 where none trains."""
+    weights = {p.untyped_storage().data_ptr() for p in components.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        components.trained_outputs(["a caption"])
+    return sum(saved.values())
 
 
 def fitted_plan(config, plan, memory_bytes, holding, latent, value_bytes):

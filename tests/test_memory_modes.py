@@ -132,6 +132,10 @@ def test_the_estimate_counts_the_modes_and_names_the_levers_that_would_fit(monke
                    for n in (0, 1_000_000))
     assert {k: text[k] - alone[k] for k in alone if text[k] != alone[k]} == \
         {"gradients": 4_000_000, "optimizer": 8_000_000, "EMA": 4_000_000}
+    # and what their forward keeps for backward, a part of its own (not room the transformer's activations take)
+    kept = memory.estimate(config, memory.replace(lora, text_activations=3_000_000), "bf16", 1, 0, 0, "cuda")
+    assert kept["text activations"] == 3_000_000 and "text activations" not in alone
+    assert sum(kept.values()) - sum(alone.values()) == 3_000_000
 
     class Components:
         spec, t5_max_length, downscale = {"kind": "sd3"}, 77, 8
@@ -183,3 +187,20 @@ def test_a_gpu_runs_estimate_line_names_its_blocks_recomputed_and_largest_batch(
     line, = memory.estimate_lines(config, plan, Components(), Precision("bf16", "bf16"), gpu)
     largest = int(line.split("fits 80% of it: ")[1].split()[0])
     assert "blocks recomputed in backward: 0 of 24" in line and 4 <= largest <= 16, line
+
+
+def test_what_a_trained_text_encoder_keeps_for_backward_is_measured_without_its_weights():
+    from model import memory
+    from model.components import BuiltinComponents
+    from model.model_lora import TEXT_TARGETS, apply_lora
+
+    components = BuiltinComponents(["circle"])
+    assert memory.text_activation_bytes(components) == 0  # nothing trains: nothing is kept
+    components.train_text_encoders(("text",))
+    encoder = components.text_models()["text"]
+    apply_lora(encoder, TEXT_TARGETS["text"], rank=8)
+    kept = memory.text_activation_bytes(components)
+    # one caption's tokens through its layers: at least each layer's input and its MLP's [tokens, 4 * width]
+    # output in fp32, and far less than the weights, which are not counted
+    width, tokens, layers = 128, 24, 2
+    assert layers * tokens * 5 * width * 4 <= kept < sum(p.numel() * 4 for p in encoder.parameters())
