@@ -341,7 +341,9 @@ class SD3Components(nn.Module):
         VAE and the text encoders, as held: what building the cache holds on the device (model/memory.py)."""
         sizes = {"VAE": (module_bytes(self.vae), 0, 0), "CLIP-L": (module_bytes(self.clip_l), 0, 0),
                  "CLIP-G": (module_bytes(self.clip_g), 0, 0)}
-        if self.t5 is not None:
+        if self.t5 is not None and "t5" in self.trained_text:  # it trains: whole on the device, never streamed
+            sizes["T5"] = (module_bytes(self.t5), 0, 0)
+        elif self.t5 is not None:
             layers = [(module_bytes(layer), tuple(tuple(p.shape) for p in layer.parameters()))
                       for layer in self.t5.encoder.block]  # (the first carries the position bias: a shape alone)
             sizes["T5"] = (module_bytes(self.t5), *swap_sizes(layers, len(layers)))

@@ -203,6 +203,8 @@ def text_activation_bytes(components):
     """What one sample's forward through the text encoders that train keeps for backward, in bytes, measured: the
     tensors autograd saves while they encode one caption as a step does (each storage once, their weights left
     out); 0 where none trains."""
+    if not getattr(components, "trained_text", ()):
+        return 0
     weights = {p.untyped_storage().data_ptr() for p in components.parameters()}
     saved = {}
 
@@ -264,9 +266,12 @@ def fewest_recomputed(config, plan, room, latent, value_bytes, at_least=0):
 
 
 def largest_batch(config, plan, room, latent, value_bytes, limit=64):
-    """The largest micro-batch (up to `limit`) whose activations, every block recomputed, fit `room` bytes."""
-    fits = [batch for batch in range(1, limit + 1)
-            if activation_bytes(config, batch, plan.resolution, *latent, True, value_bytes) <= room]
+    """The largest micro-batch (up to `limit`) whose activations, every block recomputed, fit `room` bytes (`room`
+    counts the text encoders' at `plan`'s micro-batch as spent: they grow with the micro-batch too)."""
+    text = plan.text_activations / plan.batch_size  # a sample's
+    fits = [batch for batch in range(1, limit + 1) if activation_bytes(config, batch, plan.resolution, *latent, True,
+                                                                       value_bytes) + batch * text
+            <= room + plan.text_activations]
     return max(fits, default=0)
 
 

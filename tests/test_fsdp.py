@@ -306,18 +306,9 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
             "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
     launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
-    if stage == "lora":  # in the same launch: LoKr and DoRA, each with LoRA on the text encoder too and an EMA,
-        # sharded and under DDP; and sharded to step 6, in one go and resumed from the 3rd (the 6 steps are within
-        # the recipe's warmup of 10: their rates do not depend on --max_steps)
+    if stage == "lora":  # in the same launch: LoKr and DoRA, each with LoRA on the text encoder too
         for kind in ("lokr", "dora"):
-            own = args[1:] + ["--adapter", kind, "--train_text_encoders", "text", "--ema_decay", "0.9"]
-            for label in (f"{kind}_fsdp2", f"{kind}_ddp2", f"{kind}_6", f"{kind}_resumed"):
-                runs[label] = tmp_path_factory.mktemp(label)
-            launched += [own + MODES[mode][1] + folders(runs[f"{kind}_{mode}"]) for mode in ("fsdp2", "ddp2")]
-            launched += [own + MODES["fsdp2"][1] + ["--max_steps", "6"] + folders(runs[f"{kind}_6"]),
-                         own + MODES["fsdp2"][1] + ["--max_steps", "6", "--from_resume",
-                                                    str(runs[f"{kind}_fsdp2"] / "ckpt" / f"{name}_resume.json")]
-                         + folders(runs[f"{kind}_resumed"])]
+            launched += kind_runs(args[1:] + ["--adapter", kind], kind, runs, tmp_path_factory, name)
     run_many(f"trainer.{Path(script).stem}", launched)
     sharded, reference = export(runs["fsdp2"]), export(runs["ddp2"])
     assert sharded.keys() == reference.keys()
@@ -330,20 +321,8 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     # only the adapters were trained: they alone are in the shards, with their AdamW state
     assert state["model"].keys() == sharded.keys() and all(".lora_" in k for k in sharded)
     assert set(state["optimizer"]["state"]) == {k.removeprefix("transformer.") for k in sharded}
-    for kind, key in (("lokr", ".lokr_w1"), ("dora", ".dora_scale")):  # sharded as DDP trains them, text encoder too
-        kind_sharded, kind_ddp = export(runs[f"{kind}_fsdp2"]), export(runs[f"{kind}_ddp2"])
-        assert kind_sharded.keys() == kind_ddp.keys() and any(k.endswith(key) for k in kind_sharded)
-        worst = max(((value - kind_ddp[k]).abs().max().item(), k) for k, value in kind_sharded.items())
-        assert worst[0] <= 1e-5, (kind, worst)
-        text = {k: v for k, v in kind_sharded.items() if not k.startswith("transformer.")}
-        assert text and all(k.startswith("text_encoder.") for k in text)
-        assert sum(1 for k, v in text.items() if "lora_B" in k and v.abs().sum() > 0) == 12  # all trained
-        # stopped at step 3 and resumed (the encoder's adapters whole beside the shards), it ends bitwise as in one go
-        whole, resumed = (whole_resume_state(runs[f"{kind}_{end}"], name) for end in ("6", "resumed"))
-        assert whole["step"] == 6 and whole["text_optimizer"]["state"] and whole["ema"]
-        for part in ("model", "optimizer", "text_optimizer", "ema", "rng", "samples_seen", "epoch", "consumed"):
-            assert first_difference(whole[part], resumed[part], part) is None, (kind, part)
-        assert first_difference(export(runs[f"{kind}_6"]), export(runs[f"{kind}_resumed"])) is None, kind
+    for kind, key in (("lokr", ".lokr_w1"), ("dora", ".dora_scale")):
+        check_kind_runs(runs, kind, key, name)
     # the file loads in diffusers onto the base transformer and draws what our sampler draws with it
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
@@ -361,6 +340,45 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
         torch.testing.assert_close(theirs(*x).sample, ours(*x), rtol=0, atol=1e-5)
 
 
+def kind_runs(args, kind, runs, tmp_path_factory, name):
+    """The runs of an adapter kind (`args`: the LoRA stage's, with --adapter), with LoRA on the text encoder too and
+    an EMA: sharded and under DDP; and sharded to step 6, in one go and resumed from the 3rd (the 6 steps are within
+    the recipe's warmup of 10: their rates do not depend on --max_steps) -> their argument lists, their folders
+    added to `runs`."""
+    own = args + ["--train_text_encoders", "text", "--ema_decay", "0.9"]
+    for label in (f"{kind}_fsdp2", f"{kind}_ddp2", f"{kind}_6", f"{kind}_resumed"):
+        runs[label] = tmp_path_factory.mktemp(label)
+    resume = str(runs[f"{kind}_fsdp2"] / "ckpt" / f"{name}_resume.json")
+    return [own + MODES[mode][1] + folders(runs[f"{kind}_{mode}"]) for mode in ("fsdp2", "ddp2")] + [
+        own + MODES["fsdp2"][1] + ["--max_steps", "6"] + folders(runs[f"{kind}_6"]),
+        own + MODES["fsdp2"][1] + ["--max_steps", "6", "--from_resume", resume] + folders(runs[f"{kind}_resumed"])]
+
+
+def check_kind_runs(runs, kind, key, name):
+    """kind_runs' runs: sharded, the adapters (with `key`) and the text encoder's train as under DDP, gradient norms
+    included; stopped at step 3 and resumed (the encoder's adapters whole beside the shards), the run ends bitwise as
+    the one in one go."""
+    sharded, ddp = lora_export(runs[f"{kind}_fsdp2"]), lora_export(runs[f"{kind}_ddp2"])
+    assert sharded.keys() == ddp.keys() and any(k.endswith(key) for k in sharded)
+    worst = max(((value - ddp[k]).abs().max().item(), k) for k, value in sharded.items())
+    assert worst[0] <= 1e-5, (kind, worst)
+    norms = [[row["grad_norm"] for row in stage_metrics(runs[f"{kind}_{mode}"], name)] for mode in ("fsdp2", "ddp2")]
+    assert len(norms[0]) == 3 and norms[0] == pytest.approx(norms[1], abs=1e-5), kind  # both kinds' joint norm
+    text = {k: v for k, v in sharded.items() if not k.startswith("transformer.")}
+    assert text and all(k.startswith("text_encoder.") for k in text)
+    assert sum(1 for k, v in text.items() if "lora_B" in k and v.abs().sum() > 0) == 12  # all trained
+    whole, resumed = (whole_resume_state(runs[f"{kind}_{end}"], name) for end in ("6", "resumed"))
+    assert whole["step"] == 6 and whole["text_optimizer"]["state"] and whole["ema"]
+    for part in ("model", "optimizer", "text_optimizer", "ema", "rng", "samples_seen", "epoch", "consumed"):
+        assert first_difference(whole[part], resumed[part], part) is None, (kind, part)
+    assert first_difference(lora_export(runs[f"{kind}_6"]), lora_export(runs[f"{kind}_resumed"])) is None, kind
+
+
+def stage_metrics(folder, name):
+    with open(folder / "out" / f"{name}_metrics.jsonl") as f:
+        return [row for row in map(json.loads, f) if "grad_norm" in row]
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Bad input and what protects against it
 
@@ -376,9 +394,7 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.mechanics.distributed import (
-        DistInfo, average_gradients, clip_grad_norm_mixed, data_parallel, gathered, to_item,
-    )
+    from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
     from trainer.mechanics.distributed import whole as made_whole
     from trainer.trainer_utils import NonFiniteSteps, adamw, not_finite
 
@@ -419,24 +435,30 @@ def two_ranks_from_different_seeds(rank, folder):
         fused.found_inf = flag
         fused.step()
         assert flag.item() == 1.0 and all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
-        # gradients no wrapper reduces (the text encoders' adapters): averaged over the ranks; one without is left
-        text = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
-        text[0].grad = torch.full((3,), float(rank + 1))
-        average_gradients(text, DistInfo(rank, rank, 2))
-        assert torch.equal(text[0].grad, torch.full((3,), 1.5)) and text[1].grad is None
-        # the sharded parameters and those whole beside them clipped by their joint norm, as torch clips all whole
-        small = 2.0 ** -7  # its squares sum exactly in fp32
-        for p in params:
-            p.grad = torch.full_like(p, small)
-        mixed = clip_grad_norm_mixed(params + text, 1.0)
-        expected = math.sqrt(sum(p.numel() for p in params) * small ** 2 + 3 * 1.5 ** 2)
-        clip = 1.0 / (mixed + 1e-6)
-        assert mixed.item() == pytest.approx(expected, rel=1e-6) and expected > 1.0
-        assert torch.equal(text[0].grad, torch.full((3,), 1.5) * clip) and text[1].grad is None
-        assert all(torch.equal(p.grad.full_tensor(), torch.full(p.shape, small) * clip) for p in params)
+        whole_gradients_beside_the_shards(rank, params)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def whole_gradients_beside_the_shards(rank, sharded):
+    """Gradients no wrapper reduces (the text encoders' adapters) are averaged over the ranks, one without left as
+    it is; then they and the `sharded` parameters' are clipped by their joint norm, as torch clips all whole."""
+    from trainer.mechanics.distributed import DistInfo, average_gradients, clip_grad_norm_mixed
+
+    text = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+    text[0].grad = torch.full((3,), float(rank + 1))
+    average_gradients(text, DistInfo(rank, rank, 2))
+    assert torch.equal(text[0].grad, torch.full((3,), 1.5)) and text[1].grad is None
+    small = 2.0 ** -7  # its squares sum exactly in fp32
+    for p in sharded:
+        p.grad = torch.full_like(p, small)
+    mixed = clip_grad_norm_mixed(sharded + text, 1.0)
+    expected = math.sqrt(sum(p.numel() for p in sharded) * small ** 2 + 3 * 1.5 ** 2)
+    clip = 1.0 / (mixed + 1e-6)
+    assert mixed.item() == pytest.approx(expected, rel=1e-6) and expected > 1.0
+    assert torch.equal(text[0].grad, torch.full((3,), 1.5) * clip) and text[1].grad is None
+    assert all(torch.equal(p.grad.full_tensor(), torch.full(p.shape, small) * clip) for p in sharded)
 
 
 def test_a_shard_size_that_does_not_divide_the_processes_is_one_line_before_any_work(tmp_path, monkeypatch):

@@ -285,7 +285,7 @@ def test_t5_lora_trains_from_cached_ids_and_is_saved_in_the_names_comfyui_maps(t
     from transformers import T5EncoderModel
 
     args = ["--base", sd3, "--from_weight", "base", "--data", "builtin", "--num_samples", "4", *FAST, *dirs(tmp_path),
-            "--prior_data", "none", "--train_text_encoders", "t5", "--text_encoder_lr", "0.01"]
+            "--prior_data", "none", "--train_text_encoders", "t5", "--text_encoder_lr", "0.01", "--lora_alpha", "16"]
     lora = run_here(train_lora, args, capsys)
     assert "LoRA rank 8 on 7 layers of the text encoder t5" in lora.stdout  # q, k, v, o, wi_0, wi_1, wo
     cached = next((tmp_path / "cache").rglob("*.safetensors"))
@@ -303,7 +303,7 @@ def test_t5_lora_trains_from_cached_ids_and_is_saved_in_the_names_comfyui_maps(t
     stems = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in raw}
     assert len(stems) == 7 and stems <= comfyui.keys() and len(raw) == 3 * len(stems)
     merged = base.state_dict()
-    for stem in stems:  # W + up @ down * alpha / rank, as ComfyUI applies it
+    for stem in stems:  # W + up @ down * alpha / rank, as ComfyUI applies it (alpha 16 / rank 8: folded into up)
         down, up, alpha = raw[f"{stem}.lora_down.weight"], raw[f"{stem}.lora_up.weight"], raw[f"{stem}.alpha"]
         weight = merged[comfyui[stem]]
         assert down.shape == (8, weight.shape[1]) and up.shape == (weight.shape[0], 8) and alpha.item() == 8.0
@@ -320,3 +320,11 @@ def test_t5_lora_trains_from_cached_ids_and_is_saved_in_the_names_comfyui_maps(t
         by_hand = base(ids)[0]
     assert (ours - by_hand).abs().max() <= 1e-5 * by_hand.abs().max()
     assert (by_hand - before).abs().max() > 1e-3  # the adapters trained
+    # diffusers loads the file (its transformer part) and passes over T5's: its T5 output stays the base's
+    from diffusers import StableDiffusion3Pipeline
+
+    pipeline = StableDiffusion3Pipeline.from_pretrained(sd3)
+    pipeline.load_lora_weights(str(path))
+    theirs = pipeline.encode_prompt(prompts, prompts, prompts, do_classifier_free_guidance=False,
+                                    max_sequence_length=components.t5_max_length)[0][:, 77:]
+    assert torch.allclose(theirs, before, atol=1e-5)

@@ -152,12 +152,13 @@ def clip_grad_norm_mixed(params, max_norm):
     ones (the text encoders' adapters, the same on every process), which torch's cannot take in one list: torch's
     own where they are of one kind; else each kind's norm alone, the sharded one made whole, and both kinds clipped
     by their joint norm -> that norm (on the device, not read)."""
-    sharded = [p for p in params if is_dtensor(p)]
-    if len(sharded) in (0, len(params)):
+    with_grads = [p for p in params if p.grad is not None]  # (the text encoders' have none once they stop)
+    sharded = [p for p in with_grads if is_dtensor(p)]
+    if len(sharded) in (0, len(with_grads)):
         return whole(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    kinds = (sharded, [p for p in params if not is_dtensor(p)])
-    total = torch.nn.utils.get_total_norm(
-        [whole(torch.nn.utils.get_total_norm([p.grad for p in kind if p.grad is not None])) for kind in kinds])
+    kinds = (sharded, [p for p in with_grads if not is_dtensor(p)])
+    total = torch.nn.utils.get_total_norm([whole(torch.nn.utils.get_total_norm([p.grad for p in kind]))
+                                           for kind in kinds])
     for kind in kinds:
         torch.nn.utils.clip_grads_with_norm_(kind, max_norm, total)
     return total
