@@ -27,6 +27,7 @@ from model.model_sd3light import SD3Light, preset_config
 from trainer.mechanics.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
+from trainer.mechanics.run_lock import LOCK_NAME
 from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
@@ -284,6 +285,47 @@ def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs
     whole, resumed = whole_resume_state(legs("fsdp2", 6)), whole_resume_state(tmp_path)
     for key in ("model", "optimizer", "ema", "rng"):
         assert first_difference(whole[key], resumed[key], key) is None, key
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_running_runs_folders_is_refused_and_a_killed_run_leaves_them_free(tmp_path,
+                                                                                               monkeypatch):
+    """Rank 0 of a run under torchrun holds its folders: a run started into either of them is refused in one line
+    naming it, before it writes anything; once the first is SIGKILLed the folders take a new run."""
+    args = RECIPE + ["--max_steps", "100000"] + folders(tmp_path)
+    metrics_path = tmp_path / "out" / "pretrain_tiny_metrics.jsonl"
+    proc = launch(args, torchrun=2, log_path=tmp_path / "first.log")
+    try:
+        wait_for_step(proc, str(metrics_path), 1)
+        rank0 = [pid for pid in children(proc.pid) if f"pid {pid} " in (tmp_path / "out" / LOCK_NAME).read_text()]
+        assert len(rank0) == 1
+        rows = metrics_path.read_text()
+        for other in (["--out_dir", str(tmp_path / "other")], ["--save_dir", str(tmp_path / "other")]):
+            with pytest.raises(UserError, match=rf"another run \(pid {rank0[0]} on .*\) is writing into "):
+                run_in_process(train_pretrain, args[1:] + other, monkeypatch)
+        assert not (tmp_path / "other" / "pretrain_tiny_metrics.jsonl").exists()
+    finally:
+        kill_torchrun(proc)
+    assert metrics_path.read_text().startswith(rows)  # nothing of the refused runs in the first one's metrics
+    # the kernel frees the lock once the killed process is gone (all its threads: the leader may be a zombie first)
+    deadline = time.time() + 30
+    while not lock_is_free(tmp_path / "out" / LOCK_NAME):
+        assert time.time() < deadline, "a SIGKILLed run still holds its folder"
+        time.sleep(0.05)
+    run_in_process(train_pretrain, args[1:-len(folders(tmp_path))] + ["--max_steps", "1"] + folders(tmp_path),
+                   monkeypatch)
+    assert metrics(tmp_path)[-1]["step"] == 1
+
+
+def lock_is_free(path):
+    import fcntl
+
+    with open(path, "a") as f:
+        try:
+            fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+    return True
 
 
 @ON_LEGS

@@ -1,5 +1,5 @@
-"""What only POSIX systems have (madvise through the C library, `resource`, `os.sysconf`, glibc's malloc tuning) falls
-back where it is absent, as on native Windows: a run saves, resumes and logs its estimate without them."""
+"""What only POSIX systems have (madvise through the C library, `resource`, `os.sysconf`, glibc's malloc tuning, fcntl's
+locks) falls back where it is absent, as on native Windows: a run saves, resumes and logs its estimate without them."""
 import ctypes
 import json
 import os
@@ -20,6 +20,7 @@ def test_without_the_posix_only_calls_a_run_saves_resumes_and_estimates(tmp_path
 
     monkeypatch.setattr(ctypes, "CDLL", no_c_library)  # madvise, mallopt, malloc_trim
     monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` fails, as on Windows
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # and `import fcntl`: the run's folders are not locked
     monkeypatch.delattr(os, "sysconf")
     argv = ["--from_weight", pretrained, "--num_samples", "4", "--prior_data", "none", "--batch_size", "2",
             "--save_interval", "1", "--sample_interval", "0", "--sample_steps", "1", *dirs(tmp_path)]

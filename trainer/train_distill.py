@@ -37,6 +37,7 @@ from trainer.arguments import (  # noqa: E402
 from trainer.distillation import (  # noqa: E402
     DistillLearner, DistillRecipe, GANHead, Networks, distillation_flops, distillation_losses, generator_step,
 )
+from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
@@ -150,6 +151,7 @@ def main(argv=None):
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = run_name("distill", args.preset)
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)

@@ -51,6 +51,7 @@ from trainer.preference import (  # noqa: E402
     PROMPTS_PER_TASK, DPOLearner, DPORecipe, PairPool, PairRounds, PreferencePairs, adapters_off_reference,
     all_prompts, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
 )
+from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
@@ -191,6 +192,7 @@ def main(argv=None):
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
     # prediction: BENCHMARKS.md)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)

@@ -32,6 +32,7 @@ from trainer.arguments import (  # noqa: E402
     add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
     add_validation_args, add_weights_memory_args, positive_int,
 )
+from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
@@ -115,6 +116,7 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     if args.step_in_backward:  # what it does not go with: one line now
         check_step_in_backward(args.accumulation_steps, info.world_size)
     name = run_name("sft", args.preset)

@@ -41,6 +41,7 @@ from trainer.arguments import (  # noqa: E402
     positive_int,
 )
 from trainer.mechanics.distributed import clip_grad_norm_mixed  # noqa: E402
+from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
     Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
@@ -137,14 +138,14 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = lora_run_name(args.lora_name, args.preset)
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
                               bool(args.base), resumed_dtype(saved, info.world_size))
-    for line in precision.notes:
+    for line in (*precision.notes, f"recipe: {args.recipe_note}"):
         metrics.log(line)
-    metrics.log(f"recipe: {args.recipe_note}")
     torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
 
     # The base weights' record and components; the data (the prior data beside it) and its cache; the estimate

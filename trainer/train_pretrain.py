@@ -33,6 +33,7 @@ from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
+from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
     EMA, GRAMMAR_WORDS, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
     Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
@@ -93,6 +94,7 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = run_name("pretrain", args.preset)
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
