@@ -144,7 +144,8 @@ def validation_data(settings, held_out, log):
     if isinstance(held_out, ImageCaptionDataset):
         held_out = held_out.squares()
     log(f"validation: {min(len(held_out), s.val_samples)} images of {s.val_data or '--data'} every "
-        f"{s.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise")
+        f"{s.val_interval} steps, at sigmas 0.1 ... 0.9 with fixed noise; its loss is the unweighted MSE whatever "
+        "--loss and --weighting train (eval/eval_loss.py's, comparable across runs)")
     return held_out
 
 

@@ -77,33 +77,48 @@ def mask_to_latents(mask, size):
 HUBER_C = 0.03  # the pseudo-Huber loss's width: quadratic below it, linear above
 
 
+def squared_error(diff):
+    return diff.pow(2)
+
+
+def pseudo_huber(diff):
+    """Quadratic near zero, linear for large errors."""
+    return torch.sqrt(diff.pow(2) + HUBER_C ** 2) - HUBER_C
+
+
+def no_weight(s):
+    return torch.ones_like(s)
+
+
+def sigma_sqrt_weight(s):
+    return s.clamp(min=1e-3) ** -2
+
+
+def cosmap_weight(s):
+    return 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
+
+
+# --loss and --weighting (their choices are these keys): a new loss or weighting is one entry here, a function of
+# the prediction's error (fp32, elementwise) or of the sigmas [B]
+LOSSES = {"mse": squared_error, "huber": pseudo_huber}
+WEIGHTINGS = {"none": no_weight, "sigma_sqrt": sigma_sqrt_weight, "cosmap": cosmap_weight}
+
+
 def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
-    """Per-batch loss in fp32. weighting: none | sigma_sqrt (s^-2) | cosmap (2 / (pi (1 - 2s + 2s^2))). `mask`
-    [B, 1, H, W] (any size: averaged to the latents'): each sample's loss is its mask-weighted mean, so a zero
-    region gives no loss and no gradient."""
+    """Per-batch loss in fp32: LOSSES[loss_type] of the error, each sample's mean weighted by WEIGHTINGS[weighting]
+    of its sigma. `mask` [B, 1, H, W] (any size: averaged to the latents'): each sample's loss is its mask-weighted
+    mean, so a zero region gives no loss and no gradient."""
+    if loss_type not in LOSSES or weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown loss {loss_type!r} or weighting {weighting!r}: use one of {', '.join(LOSSES)} and "
+                         f"one of {', '.join(WEIGHTINGS)}")
     target = (noise - x0).float()
-    diff = pred.float() - target
-    if loss_type == "mse":
-        error = diff.pow(2)
-    elif loss_type == "huber":  # pseudo-Huber: quadratic near zero, linear for large errors
-        error = torch.sqrt(diff.pow(2) + HUBER_C ** 2) - HUBER_C
-    else:
-        raise ValueError(f"unknown loss {loss_type!r}: use mse or huber")
+    error = LOSSES[loss_type](pred.float() - target)
     if mask is None:
         per_sample = error.flatten(1).mean(1)
     else:
         weight = mask_to_latents(mask.to(error.device, non_blocking=True), error.shape[-2:]).expand_as(error)
         per_sample = (error * weight).flatten(1).sum(1) / weight.flatten(1).sum(1).clamp(min=1e-8)
-    s = s.float()
-    if weighting == "sigma_sqrt":
-        w = s.clamp(min=1e-3) ** -2
-    elif weighting == "cosmap":
-        w = 2 / (math.pi * (1 - 2 * s + 2 * s ** 2))
-    elif weighting == "none":
-        w = torch.ones_like(s)
-    else:
-        raise ValueError(f"unknown weighting {weighting!r}: use none, sigma_sqrt or cosmap")
-    return (w * per_sample).mean()
+    return (WEIGHTINGS[weighting](s.float()) * per_sample).mean()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -111,21 +126,26 @@ def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FlowRecipe:
-    """How the flow loss trains: what the model predicts, how the sigmas are drawn (scheme, logit-normal mean and
-    std, shift), the loss and its weighting, the caption dropout, and the autocast dtype (None: fp32). A stage
-    builds it from its arguments, whose values are its recipe. `routing`: the image tokens that skip some blocks
-    (model/token_routing.py; off by default)."""
+class FlowSettings:
+    """What the flow-matching losses share (FlowRecipe, and Flow-DPO's DPORecipe): what the model predicts, how the
+    sigmas are drawn (scheme, logit-normal mean and std, shift), the autocast dtype (None: fp32), and `routing`:
+    the image tokens that skip some blocks (model/token_routing.py; off by default)."""
     prediction: str
     sigma_scheme: str
     logit_mean: float
     logit_std: float
     train_shift: float
+    autocast: torch.dtype = None
+    routing: TokenRouting = TokenRouting()
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowRecipe(FlowSettings):
+    """How the flow loss trains: FlowSettings, and the loss and its weighting (LOSSES, WEIGHTINGS) and the caption
+    dropout. A stage builds it from its arguments, whose values are its recipe."""
     loss: str
     weighting: str
     caption_dropout: float
-    autocast: torch.dtype = None
-    routing: TokenRouting = TokenRouting()
 
 
 def flow_matching_loss(model, components, batch, generator, recipe):

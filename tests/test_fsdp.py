@@ -27,7 +27,8 @@ from model.model_sd3light import SD3Light, preset_config
 from trainer.mechanics.sharded_checkpoint import (
     MetadataUnpickler, SafeReader, join_tensors, read_shards, split_tensors, write_shards,
 )
-from trainer.mechanics.run_lock import LOCK_NAME
+from trainer.mechanics.distributed import DistInfo
+from trainer.mechanics.run_lock import hold_run_folders
 from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
@@ -297,24 +298,28 @@ def test_a_second_run_into_a_running_runs_folders_is_refused_and_a_killed_run_le
     proc = launch(args, torchrun=2, log_path=tmp_path / "first.log")
     try:
         wait_for_step(proc, str(metrics_path), 1)
-        rank0 = [pid for pid in children(proc.pid) if f"pid {pid} " in (tmp_path / "out" / LOCK_NAME).read_text()]
+        lock = tmp_path / "out" / "pretrain_tiny.lock"
+        rank0 = [pid for pid in children(proc.pid) if f"pid {pid} " in lock.read_text()]
         assert len(rank0) == 1
         rows = metrics_path.read_text()
         for other in (["--out_dir", str(tmp_path / "other")], ["--save_dir", str(tmp_path / "other")]):
-            with pytest.raises(UserError, match=rf"another run \(pid {rank0[0]} on .*\) is writing into "):
+            refused = rf"another run \(pid {rank0[0]} on .*\) is writing pretrain_tiny into "
+            with pytest.raises(UserError, match=refused):
                 run_in_process(train_pretrain, args[1:] + other, monkeypatch)
         assert not (tmp_path / "other" / "pretrain_tiny_metrics.jsonl").exists()
+        other_name = hold_run_folders([str(tmp_path / "out")], "lora_demo_tiny", DistInfo())  # runs of other names
+        assert len(other_name.files) == 1  # share the folders
     finally:
         kill_torchrun(proc)
     assert metrics_path.read_text().startswith(rows)  # nothing of the refused runs in the first one's metrics
     # the kernel frees the lock once the killed process is gone (all its threads: the leader may be a zombie first)
     deadline = time.time() + 30
-    while not lock_is_free(tmp_path / "out" / LOCK_NAME):
+    while not lock_is_free(lock):
         assert time.time() < deadline, "a SIGKILLed run still holds its folder"
         time.sleep(0.05)
     run_in_process(train_pretrain, args[1:-len(folders(tmp_path))] + ["--max_steps", "1"] + folders(tmp_path),
                    monkeypatch)
-    assert metrics(tmp_path)[-1]["step"] == 1
+    assert metrics(tmp_path)[-1]["step"] == 1 and not lock.exists()  # the run let go of it as it ended
 
 
 def lock_is_free(path):

@@ -189,6 +189,19 @@ def test_sigma_schemes_and_losses():
             assert flow_loss(perfect, x0, noise, s, loss_type, weighting).item() == pytest.approx(0, abs=1e-6)
 
 
+def test_a_new_loss_is_one_entry_in_the_loss_table(monkeypatch):
+    from model import rectified_flow
+
+    x0, noise, s = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.rand(4)
+    pred = noise - x0 + 0.5
+    monkeypatch.setitem(rectified_flow.LOSSES, "l1", torch.abs)  # the one entry
+    args = train_pretrain.parse_args(["--loss", "l1"])  # the option takes it
+    assert args.loss == "l1" and flow_loss(pred, x0, noise, s, args.loss).item() == pytest.approx(0.5)
+    assert flow_loss(pred, x0, noise, s, "mse").item() == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="use one of mse, huber, l1 and one of none, sigma_sqrt, cosmap"):
+        flow_loss(pred, x0, noise, s, "l2")
+
+
 def test_x_prediction_stands_for_the_true_velocity():
     # a model that outputs the clean latent exactly gives the exact velocity, down to the clamp at s = 0.05
     x0, noise = torch.randn(5, 3, 8, 8), torch.randn(5, 3, 8, 8)

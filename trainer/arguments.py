@@ -30,6 +30,7 @@ import torch
 from dataset.training_data import DataSettings
 from model.model_lora import ADAPTER_KINDS, TARGET_GROUPS
 from model.model_sd3light import PUBLISHED_PRESETS
+from model.rectified_flow import LOSSES, WEIGHTINGS
 from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
 
@@ -339,8 +340,8 @@ def add_flow_args(parser, loss=True):
     a("--logit_std", type=positive_float, stage_sets=True)
     a("--train_shift", type=positive_float, stage_sets=True, help="shift applied to training sigmas")
     if loss:
-        a("--loss", choices=["mse", "huber"], stage_sets=True)
-        a("--weighting", choices=["none", "sigma_sqrt", "cosmap"], stage_sets=True)
+        a("--loss", choices=list(LOSSES), stage_sets=True, help="model/rectified_flow.py's LOSSES")
+        a("--weighting", choices=list(WEIGHTINGS), stage_sets=True, help="model/rectified_flow.py's WEIGHTINGS")
         a("--caption_dropout", type=probability, stage_sets=True, help="probability of training a sample "
           "unconditionally")
 

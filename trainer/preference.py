@@ -24,26 +24,18 @@ from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
 from model.errors import UserError
 from model.model_lora import set_lora_scale
-from model.rectified_flow import Sampler, add_noise, predict_velocity, sample_sigmas
-from model.token_routing import TokenRouting, to_device
+from model.rectified_flow import FlowSettings, Sampler, add_noise, predict_velocity, sample_sigmas
+from model.token_routing import to_device
 
 
 DRAW_BATCH = 256  # images sampled at once while drawing a round
 
 
 @dataclass(frozen=True, kw_only=True)
-class DPORecipe:
-    """How the Flow-DPO loss trains: beta, what the model predicts, how the shared sigmas are drawn (scheme,
-    logit-normal mean and std, shift), the autocast dtype (None: fp32) and the token routing (model/token_routing.py;
-    off by default). The stage builds it from its arguments."""
-    prediction: str
+class DPORecipe(FlowSettings):
+    """How the Flow-DPO loss trains: model/rectified_flow.py's FlowSettings (the sigmas both sides of a pair
+    share), and beta. The stage builds it from its arguments."""
     dpo_beta: float
-    sigma_scheme: str
-    logit_mean: float
-    logit_std: float
-    train_shift: float
-    autocast: torch.dtype = None
-    routing: TokenRouting = TokenRouting()
 
 
 @dataclass(frozen=True)

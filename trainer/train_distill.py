@@ -151,8 +151,8 @@ def main(argv=None):
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
-    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = run_name("distill", args.preset)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)

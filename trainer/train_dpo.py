@@ -192,8 +192,8 @@ def main(argv=None):
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
     # prediction: BENCHMARKS.md)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
-    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)

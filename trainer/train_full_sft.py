@@ -116,10 +116,10 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
-    folders = hold_run_folders((args.out_dir, args.save_dir), info)  # locked while this run lives
     if args.step_in_backward:  # what it does not go with: one line now
         check_step_in_backward(args.accumulation_steps, info.world_size)
     name = run_name("sft", args.preset)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)

@@ -1,45 +1,65 @@
-"""One run at a time in a run's folders: a second run started into the --out_dir or --save_dir of one still
-running is refused in one line naming it, before it writes anything (two runs there overwrite each other's saves
-and interleave their metrics).
+"""One run at a time under a run's name: a second run started while one runs, with the same name (stage and preset,
+or --lora_name) into the same --out_dir or --save_dir, is refused in one line naming the first, before it writes
+anything else (two such runs overwrite each other's saves and interleave their metrics). Runs of other names
+share the folders freely.
 
-Rank 0 holds a POSIX lock (fcntl.lockf) on a file in each folder while its process lives. The kernel releases it
-when the process ends in any way, SIGKILL included, so a killed run never leaves a folder locked; the lock is a
-record lock, which NFS and other shared filesystems hold across machines. Where the system has no fcntl (native
-Windows), runs are not locked.
+Rank 0 holds a POSIX lock (fcntl.lockf) on `<name>.lock` in each folder while its process lives, and removes the
+file when it lets go. The kernel releases the lock when the process ends in any way, SIGKILL included, so a
+killed run never leaves its folders locked (a file it leaves behind locks nothing); it is a record lock, which
+NFS and other shared filesystems hold across machines. Where the system has no fcntl (native Windows), runs are
+not locked.
 """
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
 
 from model.errors import UserError
 
-LOCK_NAME = ".minisd3_run.lock"  # in each folder; its text: the holder's pid and host
-
 
 class RunFolders:
-    """The lock files rank 0 holds open (and locked) for the run: released when this object is collected or its
-    process ends."""
+    """The lock files rank 0 holds open and locked for the run: closed and removed when this object is collected
+    (the stage keeps it to its end) or the interpreter exits."""
 
     def __init__(self, files):
         self.files = files
+        weakref.finalize(self, let_go, files)
 
 
-def lock_file(folder):
-    """Lock `folder`'s lock file (created with the folder if need be) -> the open file, or an error line naming the
-    run that holds it."""
+def let_go(files):
+    for handle in files:
+        try:
+            os.remove(handle.name)  # before the close: whoever locks it next makes a new file (lock_file's check)
+        except OSError:
+            pass
+        handle.close()
+
+
+def lock_file(path):
+    """Lock the file `path` (made, with its folder, if need be) -> the open file, or an error line naming the run
+    that holds it."""
     import fcntl
 
-    os.makedirs(folder, exist_ok=True)
-    handle = open(os.path.join(folder, LOCK_NAME), "a+", encoding="utf-8")
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.seek(0)
-        holder = handle.read().strip() or "pid unknown"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        handle = open(path, "a+", encoding="utf-8")
+        try:
+            fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "pid unknown"
+            handle.close()
+            return f"another run ({holder}) is writing {os.path.basename(path)[:-5]} into " \
+                f"{os.path.dirname(path)}: wait for it to end or stop it, or give this run another --out_dir and " \
+                "--save_dir"
+        try:
+            current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:  # not a file its last holder removed as this one opened it
+            break
         handle.close()
-        return f"another run ({holder}) is writing into {folder}: wait for it to end or stop it, or give this run " \
-            "another --out_dir and --save_dir"
     handle.seek(0)
     handle.truncate()
     handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}")
@@ -47,9 +67,9 @@ def lock_file(folder):
     return handle
 
 
-def hold_run_folders(folders, info):
-    """Rank 0 locks each of `folders` (the run's --out_dir and --save_dir) for as long as its process runs; a folder
-    another live run holds stops every process with one line -> RunFolders, which the stage keeps."""
+def hold_run_folders(folders, name, info):
+    """Rank 0 locks run `name` in each of `folders` (the run's --out_dir and --save_dir) for as long as its process
+    runs; where another live run holds it, every process stops with one line -> RunFolders, which the stage keeps."""
     files, error = [], None
     try:
         import fcntl  # noqa: F401  (POSIX only)
@@ -57,7 +77,7 @@ def hold_run_folders(folders, info):
         return RunFolders(files)
     if info.is_main:
         for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
-            held = lock_file(folder)
+            held = lock_file(os.path.join(folder, f"{name}.lock"))
             if isinstance(held, str):
                 error = held
                 break
@@ -68,7 +88,6 @@ def hold_run_folders(folders, info):
         if failed.item() and error is None:
             error = "rank 0 found the run's folders in use by another run (its error is above)"
     if error is not None:
-        for handle in files:
-            handle.close()
+        let_go(files)
         raise UserError(error)
     return RunFolders(files)
