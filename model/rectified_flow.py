@@ -108,9 +108,9 @@ def flow_loss(pred, x0, noise, s, loss_type="mse", weighting="none", mask=None):
     """Per-batch loss in fp32: LOSSES[loss_type] of the error, each sample's mean weighted by WEIGHTINGS[weighting]
     of its sigma. `mask` [B, 1, H, W] (any size: averaged to the latents'): each sample's loss is its mask-weighted
     mean, so a zero region gives no loss and no gradient."""
-    if loss_type not in LOSSES or weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown loss {loss_type!r} or weighting {weighting!r}: use one of {', '.join(LOSSES)} and "
-                         f"one of {', '.join(WEIGHTINGS)}")
+    for kind, value, table in (("loss", loss_type, LOSSES), ("weighting", weighting, WEIGHTINGS)):
+        if value not in table:
+            raise ValueError(f"unknown {kind} {value!r}: use {', '.join(table)}")
     target = (noise - x0).float()
     error = LOSSES[loss_type](pred.float() - target)
     if mask is None:

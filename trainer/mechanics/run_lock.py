@@ -7,9 +7,13 @@ Rank 0 holds a POSIX lock (fcntl.lockf) on `<name>.lock` in each folder while it
 file when it lets go. The kernel releases the lock when the process ends in any way, SIGKILL included, so a
 killed run never leaves its folders locked (a file it leaves behind locks nothing); it is a record lock, which
 NFS and other shared filesystems hold across machines. Where the system has no fcntl (native Windows), runs are
-not locked.
+not locked; nor where a filesystem takes no locks (NFSv3 without lockd, some FUSE mounts), which a warning says.
+The lock belongs to the process: within one process (a stage's main() called twice, as tests do) a second run of
+the name is not stopped.
 """
+import errno
 import os
+import sys
 import weakref
 
 import torch
@@ -36,23 +40,32 @@ def let_go(files):
         handle.close()
 
 
-def lock_file(path):
-    """Lock the file `path` (made, with its folder, if need be) -> the open file, or an error line naming the run
-    that holds it."""
+def lock_file(path, name):
+    """Lock the file `path` of run `name` (made, with its folder, if need be) -> the open file; an error line naming
+    the run that holds it, or saying why the folder cannot take it; or None where its filesystem takes no locks
+    (said on stderr: the run goes on unlocked)."""
     import fcntl
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    folder = os.path.dirname(path)
     while True:
-        handle = open(path, "a+", encoding="utf-8")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            handle = open(path, "a+", encoding="utf-8")
+        except OSError as e:
+            return f"cannot write into {folder}: {e.strerror or e}; pass a --out_dir and --save_dir this user can write"
         try:
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.seek(0)
-            holder = handle.read().strip() or "pid unknown"
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):  # another process holds it
+                handle.seek(0)
+                holder = handle.read().strip() or "pid unknown"
+                handle.close()
+                return f"another run ({holder}) is writing {name} into {folder}: wait for it to end or stop it, " \
+                    "or give this run another --out_dir and --save_dir"
             handle.close()
-            return f"another run ({holder}) is writing {os.path.basename(path)[:-5]} into " \
-                f"{os.path.dirname(path)}: wait for it to end or stop it, or give this run another --out_dir and " \
-                "--save_dir"
+            print(f"warning: {folder} takes no file locks ({e.strerror}): a second run of {name} started there "
+                  "would not be stopped", file=sys.stderr)
+            return None
         try:
             current = os.stat(path).st_ino == os.fstat(handle.fileno()).st_ino
         except FileNotFoundError:
@@ -62,7 +75,7 @@ def lock_file(path):
         handle.close()
     handle.seek(0)
     handle.truncate()
-    handle.write(f"pid {os.getpid()} on {os.uname().nodename if hasattr(os, 'uname') else 'this host'}")
+    handle.write(f"pid {os.getpid()} on {os.uname().nodename}")
     handle.flush()
     return handle
 
@@ -77,11 +90,11 @@ def hold_run_folders(folders, name, info):
         return RunFolders(files)
     if info.is_main:
         for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
-            held = lock_file(os.path.join(folder, f"{name}.lock"))
+            held = lock_file(os.path.join(folder, f"{name}.lock"), name)
             if isinstance(held, str):
                 error = held
                 break
-            files.append(held)
+            files += [held] if held is not None else []
     if info.world_size > 1:  # every process learns rank 0's outcome
         failed = torch.tensor([error is not None], dtype=torch.float64, device=info.device)
         dist.broadcast(failed, 0)
