@@ -110,10 +110,7 @@ def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained,
                                     str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt"), "--max_steps", "1"],
                        monkeypatch)
     assert "a CUDA GPU captures graphs" in str(error.value) and "\n" not in str(error.value)
-    # no step, no save: the checkpoint folder holds at most the run's lock (trainer/mechanics/run_lock.py), which
-    # goes when the run's last reference does
-    assert not (tmp_path / "ckpt").exists() or [p.name for p in (tmp_path / "ckpt").iterdir()] in \
-        ([], ["lora_demo_tiny.lock"])
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())  # no step, no save
 
 
 def test_a_sample_grid_counts_the_memory_a_captured_step_keeps(monkeypatch):

@@ -152,7 +152,6 @@ def main(argv=None):
     # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = run_name("distill", args.preset)
-    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -191,6 +190,7 @@ def main(argv=None):
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # before the first write: one run of it
     out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "distill", [p for net in trained.values() if net for p in net.parameters()], info)
     if saved is None:  # step 0: the teacher's weights sampled in the generator's steps

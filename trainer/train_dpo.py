@@ -193,7 +193,6 @@ def main(argv=None):
     # prediction: BENCHMARKS.md)
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
-    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -236,6 +235,7 @@ def main(argv=None):
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         workers)
     position.plan(args.max_steps, args.epochs)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # before the first write: one run of it
     out = outputs(args, info, position, learner, metrics, source, {
         "prediction": prediction, **precision.as_args(), **rounds.resolved(isinstance(data.dataset, PairPool))})
     resume_run(saved, out, "dpo", optimizer.param_groups[0]["params"], info)  # a resume that does not fit: one line

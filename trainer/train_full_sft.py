@@ -119,7 +119,6 @@ def main(argv=None):
     if args.step_in_backward:  # what it does not go with: one line now
         check_step_in_backward(args.accumulation_steps, info.world_size)
     name = run_name("sft", args.preset)
-    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -162,6 +161,7 @@ def main(argv=None):
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # before the first write: one run of it
     out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "sft", model.parameters(), info)  # a resume that does not fit the run: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with

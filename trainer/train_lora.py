@@ -139,7 +139,6 @@ def main(argv=None):
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = lora_run_name(args.lora_name, args.preset)
-    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
     precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
@@ -187,6 +186,7 @@ def main(argv=None):
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # before the first write: one run of it
     out = outputs(args, info, position, learner, metrics, source, precision)
     resume_run(saved, out, "lora", LoRAWeights(model, text).state_dict().values(), info)  # a misfit: one line
     if saved is None:  # step 0: the starting weights' grid and validation loss, to compare with

@@ -95,7 +95,6 @@ def main(argv=None):
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     name = run_name("pretrain", args.preset)
-    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # held while this run lives
     metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
                          else None)
     saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
@@ -139,6 +138,7 @@ def main(argv=None):
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
                         args.num_workers)
     position.plan(args.max_steps, args.epochs)
+    folders = hold_run_folders((args.out_dir, args.save_dir), name, info)  # before the first write: one run of it
     out = outputs(args, info, position, learner, metrics, precision)
     resume_run(saved, out, "pretrain", model.parameters(), info)  # a resume that does not fit the run: one line
     del saved  # its memory-mapped tensors are the run's own now: the file is not held for the rest of the run

@@ -1,7 +1,7 @@
 """One run at a time under a run's name: a second run started while one runs, with the same name (stage and preset,
 or --lora_name) into the same --out_dir or --save_dir, is refused in one line naming the first, before it writes
-anything else (two such runs overwrite each other's saves and interleave their metrics). Runs of other names
-share the folders freely.
+there: the stages take the lock after their set-up, just before their outputs (two such runs overwrite each
+other's saves and interleave their metrics). Runs of other names share the folders freely.
 
 Rank 0 holds a POSIX lock (fcntl.lockf) on `<name>.lock` in each folder while its process lives, and removes the
 file when it lets go. The kernel releases the lock when the process ends in any way, SIGKILL included, so a
