@@ -172,8 +172,7 @@ class BuiltinComponents(nn.Module):
         (with gradients) -> {feature name: tensor}, empty if it does not train."""
         if not self.trained_text:
             return {}
-        features = self.encode_text(captions)
-        tokens, pooled = self.text_encoder.encode_ids(features["text_ids"], features["text_blank"])
+        tokens, pooled = self.condition(self.encode_text(captions))
         return {"text_tokens": tokens, "text_pooled": pooled}
 
     def trained_state_dict(self):

@@ -402,23 +402,28 @@ def under(state, prefix):
     return {k: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def kohya_stem(prefix, module):
+    """Kohya's name of `module`'s adapters under our `prefix` (one of KOHYA_PREFIXES): its path, dots as
+    underscores, after kohya's prefix."""
+    return KOHYA_PREFIXES[prefix] + module.replace(".", "_")
+
+
 def to_kohya_names(state, prefix, alphas):
     """`state` with the adapters under `prefix` (one of KOHYA_PREFIXES) renamed to kohya's names, and an `.alpha`
     tensor (`alphas`: {module name: alpha}) beside each pair."""
-    kohya, renamed = KOHYA_PREFIXES[prefix], {}
+    renamed = {}
     for key, value in state.items():
         if key.startswith(prefix):  # <prefix><module>.lora_A.weight (the text encoders' adapters are LoRA)
             module, matrix, weight = key[len(prefix):].rsplit(".", 2)
-            key = f"{kohya}{module.replace('.', '_')}.{KOHYA_NAMES[matrix + '.' + weight]}"
+            key = f"{kohya_stem(prefix, module)}.{KOHYA_NAMES[matrix + '.' + weight]}"
         renamed[key] = value
-    return {**renamed, **{f"{kohya}{m.replace('.', '_')}.alpha": torch.tensor(float(a)) for m, a in alphas.items()}}
+    return {**renamed, **{f"{kohya_stem(prefix, m)}.alpha": torch.tensor(float(a)) for m, a in alphas.items()}}
 
 
 def from_kohya_names(state, prefix, modules):
     """`state` with kohya's names of the adapters of `modules` (their names) back under `prefix`. A kohya key of no
     such module is left as it is (a strict load then names it)."""
-    kohya = KOHYA_PREFIXES[prefix]
-    names = {f"{kohya}{m.replace('.', '_')}.{theirs}": f"{prefix}{m}.{ours}"
+    names = {f"{kohya_stem(prefix, m)}.{theirs}": f"{prefix}{m}.{ours}"
              for m in modules for ours, theirs in KOHYA_NAMES.items()}
     return {names.get(k, k): v for k, v in state.items()}
 

@@ -40,12 +40,10 @@ def let_go(files):
         handle.close()
 
 
-def lock_file(path, name):
-    """Lock the file `path` of run `name` (made, with its folder, if need be) -> the open file; an error line naming
-    the run that holds it, or saying why the folder cannot take it; or None where its filesystem takes no locks
-    (said on stderr: the run goes on unlocked)."""
-    import fcntl
-
+def lock_file(path, name, fcntl):
+    """Lock the file `path` of run `name` (made, with its folder, if need be) with the `fcntl` module -> the open
+    file; an error line naming the run that holds it, or saying why the folder cannot take it; or None where its
+    filesystem takes no locks (said on stderr: the run goes on unlocked)."""
     folder = os.path.dirname(path)
     while True:
         try:
@@ -85,12 +83,12 @@ def hold_run_folders(folders, name, info):
     runs; where another live run holds it, every process stops with one line -> RunFolders, which the stage keeps."""
     files, error = [], None
     try:
-        import fcntl  # noqa: F401  (POSIX only)
+        import fcntl  # POSIX only
     except ImportError:
         return RunFolders(files)
     if info.is_main:
         for folder in dict.fromkeys(os.path.abspath(f) for f in folders):
-            held = lock_file(os.path.join(folder, f"{name}.lock"), name)
+            held = lock_file(os.path.join(folder, f"{name}.lock"), name, fcntl)
             if isinstance(held, str):
                 error = held
                 break
