@@ -13,15 +13,18 @@ class UserError(Exception):
 
 def run_main(main):
     """Run a script's main(): a UserError becomes one line on stderr and exit code 2; a second Ctrl-C (which
-    interrupts a save-and-stop) exits 130. The process group, if any, is torn down either way."""
+    interrupts a save-and-stop) exits 130; either on a line of its own, below the progress bar it ended. The
+    process group, if any, is torn down either way."""
     import torch.distributed as dist
 
     try:
         main()
     except UserError as e:
+        end_progress_bars()
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now; the last committed checkpoint is intact
+        end_progress_bars()
         print("interrupted: the last saved checkpoint is intact; continue with --from_resume 1", file=sys.stderr)
         sys.exit(130)
     finally:
@@ -31,3 +34,11 @@ def run_main(main):
             # after a run that had finished. Collected here, while the group still exists, it goes quietly.
             gc.collect()
             dist.destroy_process_group()
+
+
+def end_progress_bars():
+    """Close the progress bars an error left drawn (tqdm's, the run's), each ending its line, so that what is
+    printed next starts a line of its own and no bar is drawn again below it at exit."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", ())):
+        bar.close()

@@ -443,7 +443,8 @@ def two_ranks_from_different_seeds(rank, folder):
 
     from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
     from trainer.mechanics.distributed import whole as made_whole
-    from trainer.trainer_utils import NonFiniteSteps, adamw, not_finite
+    from trainer.mechanics.optimizers import adamw
+    from trainer.trainer_utils import NonFiniteSteps, not_finite
 
     dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, "store"), 2), rank=rank, world_size=2)
     try:

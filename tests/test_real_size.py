@@ -42,7 +42,7 @@ def dirs(tmp_path):
 
 
 def started(module, stage, roles, argv, adapt=None):
-    """A stage's arguments, its precision and its start-up (trainer/trainer_utils.py's pieces, in the stages' order), in
+    """A stage's arguments, its precision and its start-up (the pieces the stages call, in their order), in
     this process -> (the arguments with the precision the run resolved them to, what started: its networks by
     name, each "trained", "frozen", or "adapted" (frozen, with `adapt` putting adapters on it), its components
     and the grids' prompts)."""
@@ -53,7 +53,7 @@ def started(module, stage, roles, argv, adapt=None):
     resolved = argparse.Namespace(**{**vars(args), **precision.as_args()})
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
-    data = trainer_utils.stage_data(args.data_settings, components,
+    data = training_data.stage_data(args.data_settings, components,
                                     SD3LightConfig.from_dict(source["transformer"]), info, args.batch_size, print)
     nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen,
                                              info)

@@ -329,6 +329,40 @@ def test_a_bad_number_ends_the_script_with_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "pretrain_tiny.json")
 
 
+def test_an_error_or_a_warning_while_the_bar_is_drawn_reads_on_a_line_of_its_own(tmp_path, capsys):
+    """The progress bar (tqdm, on stderr, redrawn in place with carriage returns) is ended before a UserError's
+    line, which a full disk's save raises mid-run, and is not drawn again after it; a warning while it is drawn
+    goes above it, on a line of its own."""
+    import types
+    import warnings
+
+    from model.errors import run_main
+    from trainer.mechanics.distributed import DistInfo
+    from trainer.mechanics.metrics import MetricsLog
+
+    def main():
+        metrics = MetricsLog(DistInfo(), "pretrain", "run", str(tmp_path))
+        metrics.open(0, 4, False)
+        for step in (1, 2, 3):
+            if step == 3:
+                warnings.warn("a warning while the bar is drawn")
+            at = types.SimpleNamespace(step=step, epoch=0, samples_seen=4 * step)
+            metrics.write(at, {"loss": 0.5, "lr": 1e-3}, 20.0)
+        raise UserError(f"cannot save into {tmp_path}: not enough free space")
+
+    capsys.readouterr()
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exit_code:
+        warnings.simplefilter("always")
+        run_main(main)
+    err = capsys.readouterr().err
+    lines = err.replace("\r", "\n").split("\n")
+    assert exit_code.value.code == 2
+    assert f"error: cannot save into {tmp_path}: not enough free space" in lines, err  # a line of its own
+    assert any(line.endswith("UserWarning: a warning while the bar is drawn") for line in lines), err
+    error_at = err.index("error: cannot save")
+    assert err[error_at - 1] == "\n" and "pretrain" not in err[error_at:], err  # the bar ended above it, not redrawn
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train_as_eager_ones_and_resume_and_export_alike(tmp_path, monkeypatch):
     """--compile 1 (inductor's CPU code for each block) computes what eager does: the same losses to tolerance, the

@@ -33,6 +33,7 @@ from model.model_sd3light import PUBLISHED_PRESETS
 from model.rectified_flow import LOSSES, WEIGHTINGS
 from model.precision import FROZEN_DTYPES
 from model.weights import DEFAULT_OUT_DIR, REPO_ROOT
+from trainer.trainer_utils import RunSettings
 
 DEFAULT_SAVE_DIR = os.path.join(REPO_ROOT, "checkpoints")
 DEFAULT_CACHE_DIR = os.path.join(REPO_ROOT, "cache")
@@ -93,9 +94,9 @@ class StageParser(argparse.ArgumentParser):
     def parse_known_args(self, argv=None, namespace=None):
         """The arguments, with the real-model recipe's defaults where --preset names published weights. The
         namespace carries the arguments' resume kinds, the recipe in force and what they say of the data (a
-        DataSettings filled from the options its fields name) as class attributes (args.resume_kinds,
-        args.recipe_note, args.data_settings), so they go wherever the arguments go without being one of them
-        (vars(args) leaves them out)."""
+        DataSettings filled from the options its fields name) and of its start (a RunSettings) as class
+        attributes (args.resume_kinds, args.recipe_note, args.data_settings, args.run_settings), so they go
+        wherever the arguments go without being one of them (vars(args) leaves them out)."""
         unset = sorted(name for name in self.stage_sets if self.get_default(name) is None)
         if unset:
             raise ValueError(f"the stage gives no value to {', '.join(unset)} (its set_defaults)")
@@ -126,6 +127,8 @@ class StageParser(argparse.ArgumentParser):
             self.error(f"--adapter {adapter} trains adapters: give their --lora_rank too (0 tunes all weights)")
         self.check_text_encoders(given)
         type(args).data_settings = filled(DataSettings, given)
+        type(args).run_settings = filled(RunSettings, {**given, "recipe_note": args.recipe_note,
+                                                       "arguments": dict(given)})
         return args, rest
 
     def check_text_encoders(self, given):

@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataset.preference_pairs import PairPool, PreferencePairs, encode_pairs, side  # noqa: F401 (DPO's data)
-from eval.eval_geneval import (  # noqa: F401 (DPO's prompts)
-    PROMPTS_PER_TASK, all_prompts, clauses_held, is_correct, training_prompts,
-)
+from dataset.preference_pairs import encode_pairs, side
+from eval.eval_geneval import clauses_held, is_correct, training_prompts
 from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
 from model.errors import UserError

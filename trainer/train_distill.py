@@ -18,7 +18,8 @@ checkpoints/distill_<preset>_resume.json. Stop with SIGTERM or Ctrl-C; continue 
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 losses and backward of a step's micro-batches, step_network one network's update, train the loop.
 The two files it names: trainer/distillation.py (the losses: distillation_losses, generator_step) and
-trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
+trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step
+what a save writes and deletes).
 """
 import math
 import os
@@ -28,22 +29,36 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.training_data import stage_data  # noqa: E402
+from model.errors import UserError, run_main  # noqa: E402
+from model.memory import MemoryPlan, fit_memory  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
-    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args, add_routing_args,
-    add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int, probability,
+    SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_optimizer_args, add_plumbing_args,
+    add_routing_args, add_schedule_args, add_validation_args, non_negative_float, positive_float, positive_int,
+    probability,
 )
 from trainer.distillation import (  # noqa: E402
     DistillLearner, DistillRecipe, GANHead, Networks, distillation_flops, distillation_losses, generator_step,
 )
+from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
+from trainer.mechanics.distributed import (  # noqa: E402
+    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
+)
+from trainer.mechanics.ema import EMA  # noqa: E402
+from trainer.mechanics.metrics import Throughput  # noqa: E402
+from trainer.mechanics.optimizers import adamw  # noqa: E402
+from trainer.mechanics.position import Position  # noqa: E402
+from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
+from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, Sampler, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
-    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, load_network, log_peak,
-    lr_at, mean_and_any, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, start_weights_source,
-    step_zero, sync_gradients, to_item, torch_dtype, write_export,
+    NonFiniteSteps, Outputs, finish_run, load_network, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr,
+    start_run, start_weights_source,
 )
 
 
@@ -149,18 +164,11 @@ def main(argv=None):
     args = parse_args(argv)
     check_args(args)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured)
-    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    # (cpu_bf16=False: the generator's gradient is the difference of two scores' predictions; bf16 not measured),
+    # the seed
     name = run_name("distill", args.preset)
-    metrics = MetricsLog(info, "distill", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
-    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("distill", cpu_bf16=False,
-                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
-    for line in precision.notes:
-        metrics.log(line)
-    metrics.log(f"recipe: {args.recipe_note}")
-    torch.manual_seed(args.seed)
+    run = start_run(StagePrecision("distill", cpu_bf16=False, frozen_transformer=True), name, args.run_settings)
+    info, metrics, saved, precision = run.info, run.metrics, run.saved, run.precision
 
     # The teacher's record (its prediction and sampler kept) and components; the data and its cache (the text
     # encoders then freed); the estimate; the networks
@@ -296,24 +304,18 @@ def train(args, info, position, data, learner, out):
             seconds = time.perf_counter() - started
 
             val_loss = None
-            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+            if data.validation and position.due(args.val_interval):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss,
                                      **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
                           None in norms.values(), position.step_ids() if args.log_sample_ids else None)
-            if position.step % args.save_interval == 0 or position.finished or stopping:
-                saving = time.perf_counter()
-                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or nets.generator).state_dict(), position, info)
-                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - saving:.1f} s")
-                metrics.plot(position.step, last=position.finished or stopping)
-            if not stopping and (position.finished or args.sample_interval and
-                                 position.step % args.sample_interval == 0):
-                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({took})")
-    finish_run(out, learner.components, info, stopping, stop.received)
-    return position.step
+            if position.due(args.save_interval) or stopping:
+                # the resume checkpoint, then what other tools read (the generator's EMA, else its weights); older
+                # ones deleted
+                save_step(out, ema or nets.generator, position, info, last=position.finished or stopping)
+            if position.due(args.sample_interval) and not stopping:
+                sample_grid(out, position.step, data.prompts)
+    return finish_run(out, learner.components, info, stopping, stop.received)
 
 
 if __name__ == "__main__":

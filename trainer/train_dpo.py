@@ -24,7 +24,7 @@ Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
 The two files it names: trainer/preference.py (the loss: flow_dpo_loss, and the pairs) and trainer/trainer_utils.py
-(everything around the loop, and lr_at: the learning rate).
+(everything around the loop: start_run, lr_at the learning rate, save_step what a save writes and deletes).
 """
 import math
 import os
@@ -34,31 +34,45 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
+from dataset.training_data import StageData, ready_data, validation_data  # noqa: E402
+from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.block_swap import swap_request  # noqa: E402
+from model.errors import UserError, run_main  # noqa: E402
+from model.memory import MemoryPlan, fit_memory  # noqa: E402
 from model.model_lora import (  # noqa: E402
     ADAPTER_KINDS, TARGET_GROUPS, Adapter, LoRAExport, LoRAWeights, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, torch_dtype  # noqa: E402
+from model.rectified_flow import PREDICTIONS, Sampler  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import (  # noqa: E402
     WeightsExport, check_export, load_components, lora_file, lora_run_name, run_name, weights_identity,
 )
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_adapter_kind_args, add_block_swap_args, add_export_args, add_flow_args,
-    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
-    non_negative_float, non_negative_int, positive_float, positive_int,
+    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
+    add_validation_args, non_negative_float, non_negative_int, positive_float, positive_int,
 )
-from trainer.preference import (  # noqa: E402
-    PROMPTS_PER_TASK, DPOLearner, DPORecipe, PairPool, PairRounds, PreferencePairs, adapters_off_reference,
-    all_prompts, flow_dpo_loss, frozen_copy_reference, pairs_per_prompt, refresh_pool,
+from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
+from trainer.mechanics.distributed import (  # noqa: E402
+    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
 )
+from trainer.mechanics.ema import EMA  # noqa: E402
+from trainer.mechanics.metrics import Throughput  # noqa: E402
+from trainer.mechanics.optimizers import adamw  # noqa: E402
+from trainer.mechanics.position import Position  # noqa: E402
+from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
+from trainer.mechanics.signals import StopSignal  # noqa: E402
+from trainer.preference import (  # noqa: E402
+    DPOLearner, DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference,
+    pairs_per_prompt, refresh_pool,
+)
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, PREDICTIONS, Checkpointer, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, Sampler, StageData, StagePrecision, StopSignal, Throughput, TokenRouting, UserError, adamw,
-    adapted_frozen, adapter_count, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
-    init_distributed, load_network, log_peak, lr_at, mean_and_any, ready_data, resume_run, resumed_dtype, run_main,
-    run_precision, set_lr, start_weights_source, step_zero, sync_gradients, to_item, torch_dtype, validation_data,
-    write_export,
+    NonFiniteSteps, Outputs, adapted_frozen, adapter_count, finish_run, load_network, log_peak, lr_at, resume_run,
+    sample_grid, save_step, set_lr, start_run, start_weights_source,
 )
 
 
@@ -190,18 +204,10 @@ def main(argv=None):
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
     # (cpu_bf16=False: the loss is beta times a difference of error differences, as small as bf16's rounding of the
-    # prediction: BENCHMARKS.md)
-    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    # prediction: BENCHMARKS.md), the seed
     name = lora_run_name(args.lora_name, args.preset) if args.lora_rank else run_name("dpo", args.preset)
-    metrics = MetricsLog(info, "dpo", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
-    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("dpo", cpu_bf16=False,
-                              frozen_transformer=True), info, bool(args.base), resumed_dtype(saved, info.world_size))
-    for line in precision.notes:
-        metrics.log(line)
-    metrics.log(f"recipe: {args.recipe_note}")
-    torch.manual_seed(args.seed)
+    run = start_run(StagePrecision("dpo", cpu_bf16=False, frozen_transformer=True), name, args.run_settings)
+    info, metrics, saved, precision = run.info, run.metrics, run.saved, run.precision
 
     # The starting weights' record and components; the pairs (and their cache, when it is on); the estimate; the
     # policy and the frozen reference; the token routing and the memory plan checked first (a bad value: one line)
@@ -328,24 +334,17 @@ def train(args, info, position, data, learner, out, rounds):
             seconds = time.perf_counter() - started
 
             val_loss = None
-            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+            if data.validation and position.due(args.val_interval):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss,
                                      **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
                           warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.step % args.save_interval == 0 or position.finished or stopping:
-                saving = time.perf_counter()
-                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or trained).state_dict(), position, info)
-                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - saving:.1f} s")
-                metrics.plot(position.step, last=position.finished or stopping)
-            if not stopping and (position.finished or args.sample_interval and
-                                 position.step % args.sample_interval == 0):
-                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({took})")
-    finish_run(out, learner.components, info, stopping, stop.received)
-    return position.step
+            if position.due(args.save_interval) or stopping:
+                # the resume checkpoint, then what other tools read (the EMA, else the policy); older ones deleted
+                save_step(out, ema or trained, position, info, last=position.finished or stopping)
+            if position.due(args.sample_interval) and not stopping:
+                sample_grid(out, position.step, data.prompts)
+    return finish_run(out, learner.components, info, stopping, stop.received)
 
 
 if __name__ == "__main__":

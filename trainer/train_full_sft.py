@@ -14,7 +14,8 @@ resume checkpoint checkpoints/sft_<preset>_resume.json. Stop with SIGTERM or Ctr
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
 The two files it names: model/rectified_flow.py (the loss: flow_inputs and flow_loss_of, and the sigmas, noise and
-velocity target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
+velocity target it uses) and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning
+rate, save_step what a save writes and deletes).
 """
 import os
 import sys
@@ -23,23 +24,35 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.training_data import stage_data  # noqa: E402
 from model.block_swap import BlockSwap, swap_request  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.memory import MemoryPlan, fit_memory  # noqa: E402
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, load_components, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_block_swap_args, add_data_args, add_export_args, add_flow_args, add_graph_args,
     add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
     add_validation_args, add_weights_memory_args, positive_int,
 )
+from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
+from trainer.mechanics.distributed import (  # noqa: E402
+    NamedOptimizerState, any_process, data_parallel, launched_world_size, mean_over_processes, sync_gradients,
+    whole,
+)
+from trainer.mechanics.ema import EMA  # noqa: E402
+from trainer.mechanics.metrics import StepRows, Throughput  # noqa: E402
+from trainer.mechanics.optimizers import StepInBackward, adamw, check_step_in_backward  # noqa: E402
+from trainer.mechanics.position import Position  # noqa: E402
+from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
+from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, StagePrecision, StepInBackward, StepRows, StopSignal, Throughput, TokenRouting, adamw,
-    any_process, check_step_in_backward, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
-    init_distributed, load_network, log_peak, lr_at, mean_over_processes, not_finite, resume_run, resumed_dtype,
-    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero,
-    sync_gradients, torch_dtype, whole, write_export, write_steps,
+    FlowLearner, NonFiniteSteps, Outputs, finish_run, load_network, log_peak, lr_at, not_finite, resume_run,
+    run_graphs, sample_grid, save_step, set_lr, start_run, start_weights_source, step_inputs, write_steps,
 )
 
 
@@ -114,20 +127,13 @@ def memory_plan(args, config):
 def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed or started; the loop."""
     args = parse_args(argv)
-    # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
     if args.step_in_backward:  # what it does not go with: one line now
-        check_step_in_backward(args.accumulation_steps, info.world_size)
+        check_step_in_backward(args.accumulation_steps, launched_world_size())
+    # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
+    # (--trained_dtype), the seed
     name = run_name("sft", args.preset)
-    metrics = MetricsLog(info, "sft", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
-    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("sft"), info, bool(args.base),
-                              resumed_dtype(saved, info.world_size), args.trained_dtype)
-    for line in precision.notes:
-        metrics.log(line)
-    metrics.log(f"recipe: {args.recipe_note}")
-    torch.manual_seed(args.seed)
+    run = start_run(StagePrecision("sft"), name, args.run_settings)
+    info, metrics, saved, precision = run.info, run.metrics, run.saved, run.precision
 
     # The starting weights' record and components; the data and its cache (text encoders then freed); the weights
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
@@ -262,8 +268,8 @@ def train(args, info, position, data, learner, out, fused):
             rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
                      position.step_ids() if args.log_sample_ids else None)
 
-            saving = position.step % args.save_interval == 0 or position.finished
-            validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
+            saving = position.due(args.save_interval)
+            validating = data.validation and position.due(args.val_interval)
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
@@ -274,19 +280,12 @@ def train(args, info, position, data, learner, out, fused):
                 write_steps(steps, guard, metrics, out.throughput, position.global_batch)
             if saving or stopping:
                 log_peak(info, f"step {position.step}", log)  # what a save adds to it: the line after it
-                began = time.perf_counter()
-                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
-                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - began:.1f} s")
-                log_peak(info, f"saving step {position.step}", log)
-                metrics.plot(position.step, last=position.finished or stopping)
-            if not stopping and (position.finished or args.sample_interval and
-                                 position.step % args.sample_interval == 0):
-                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({took})")
-    finish_run(out, learner.components, info, stopping, stop.received)
-    return position.step
+                # the resume checkpoint, then what other tools read (the EMA, else the weights); older ones deleted;
+                # the peak again, measured after the save
+                save_step(out, ema or learner.model, position, info, last=position.finished or stopping, peak=True)
+            if position.due(args.sample_interval) and not stopping:
+                sample_grid(out, position.step, data.prompts)
+    return finish_run(out, learner.components, info, stopping, stop.received)
 
 
 if __name__ == "__main__":

@@ -19,37 +19,47 @@ checkpoints/lora_<name>_<preset>_resume.json. Sample with the adapter:
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
 The two files it names: model/rectified_flow.py (the loss: flow_inputs and flow_loss_of, and the sigmas, noise and
-velocity target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
+velocity target it uses) and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning
+rate, save_step what a save writes and deletes).
 """
 import os
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.training_data import stage_data, training_dataset  # noqa: E402
 from model.block_swap import swap_request  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.memory import MemoryPlan, fit_memory  # noqa: E402
 from model.model_lora import (  # noqa: E402
     ADAPTER_KINDS, Adapter, LoRAExport, LoRAWeights, lora_layers, lora_parameters, resolve_targets,
 )
 from model.model_sd3light import PRESETS, SD3LightConfig  # noqa: E402
+from model.precision import StagePrecision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_loss_of  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import load_components, lora_file, lora_run_name, weights_identity  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_adapter_args, add_block_swap_args, add_data_args, add_flow_args, add_graph_args,
-    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args, add_validation_args,
-    positive_int,
+    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
+    add_validation_args, positive_int,
 )
-from trainer.mechanics.distributed import clip_grad_norm_mixed  # noqa: E402
+from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
+from trainer.mechanics.distributed import (  # noqa: E402
+    NamedOptimizerState, any_process, average_gradients, clip_grad_norm_mixed, data_parallel, mean_over_processes,
+    sync_gradients,
+)
+from trainer.mechanics.ema import EMA  # noqa: E402
+from trainer.mechanics.metrics import StepRows, Throughput  # noqa: E402
+from trainer.mechanics.optimizers import adamw  # noqa: E402
+from trainer.mechanics.position import Position  # noqa: E402
+from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
+from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps, Outputs, Position,
-    Previews, RunSpec, StagePrecision, StepRows, StopSignal, Throughput, TokenRouting, adamw, adapted_frozen,
-    adapter_count, average_gradients, checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory,
-    init_distributed, log_peak, lr_at, any_process, mean_over_processes, not_finite, resume_run, resumed_dtype,
-    run_graphs, run_main, run_precision, set_lr, stage_data, start_weights_source, step_inputs, step_zero,
-    sync_gradients, text_adapters, text_modules, text_optimizer, torch_dtype, training_dataset, write_export,
-    write_steps,
+    FlowLearner, NonFiniteSteps, Outputs, adapted_frozen, adapter_count, finish_run, log_peak, lr_at, not_finite,
+    resume_run, run_graphs, sample_grid, save_step, set_lr, start_run, start_weights_source, step_inputs,
+    text_adapters, text_modules, text_optimizer, write_steps,
 )
 
 
@@ -137,15 +147,10 @@ def main(argv=None):
     """The set-up as plain calls, one large thing in memory at a time; the run resumed, or started; the loop."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    # and the seed (the same adapter initialisation on every rank)
     name = lora_run_name(args.lora_name, args.preset)
-    metrics = MetricsLog(info, "lora", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb else None)
-    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("lora", frozen_transformer=True), info,
-                              bool(args.base), resumed_dtype(saved, info.world_size))
-    for line in (*precision.notes, f"recipe: {args.recipe_note}"):
-        metrics.log(line)
-    torch.manual_seed(args.seed)  # the same adapter initialisation on every rank
+    run = start_run(StagePrecision("lora", frozen_transformer=True), name, args.run_settings)
+    info, metrics, saved, precision = run.info, run.metrics, run.saved, run.precision
 
     # The base weights' record and components; the data (the prior data beside it) and its cache; the estimate
     source = start_weights_source(args.from_weight, args.preset, args.prediction, args.out_dir, args.base)
@@ -272,8 +277,8 @@ def train(args, info, position, data, learner, out):
             rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
                      position.step_ids() if args.log_sample_ids else None)
 
-            saving = position.step % args.save_interval == 0 or position.finished
-            validating = data.validation and (position.step % args.val_interval == 0 or position.finished)
+            saving = position.due(args.save_interval)
+            validating = data.validation and position.due(args.val_interval)
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
@@ -283,16 +288,10 @@ def train(args, info, position, data, learner, out):
                 # each step's row, or the warning of one skipped as not finite (many in a row: the end)
                 write_steps(steps, guard, metrics, out.throughput, position.global_batch)
             if saving or stopping:
-                began = time.perf_counter()
-                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or adapters).state_dict(), position, info)
-                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - began:.1f} s")
-                metrics.plot(position.step, last=position.finished or stopping)
-            if not stopping and (position.finished or args.sample_interval and
-                                 position.step % args.sample_interval == 0):
-                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({took})")
+                # the resume checkpoint, then the LoRA file (the EMA's adapters, else their own); older ones deleted
+                save_step(out, ema or adapters, position, info, last=position.finished or stopping)
+            if position.due(args.sample_interval) and not stopping:
+                sample_grid(out, position.step, data.prompts)
     finish_run(out, learner.components, info, stopping, stop.received)
     if position.finished:
         log(f"sample with the adapter: python eval/eval_sample.py --lora {args.lora_name} --prompt \"...\"")

@@ -15,7 +15,8 @@ continue with --from_resume 1 (a larger --max_steps or --epochs trains on).
 Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
 loss and backward of a step's micro-batches, train the loop.
 The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, and the sigmas, noise and velocity
-target it uses) and trainer/trainer_utils.py (everything around the loop, and lr_at: the learning rate).
+target it uses) and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step
+what a save writes and deletes).
 """
 import math
 import os
@@ -25,21 +26,34 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dataset.shapes import GRAMMAR_WORDS  # noqa: E402
+from dataset.training_data import stage_data  # noqa: E402
 from model.components import new_components, transformer_widths  # noqa: E402
-from model.model_sd3light import PRESETS, SD3Light, preset_config  # noqa: E402
+from model.errors import run_main  # noqa: E402
+from model.memory import MemoryPlan, fit_memory  # noqa: E402
+from model.model_sd3light import PRESETS, SD3Light, meta_model, preset_config  # noqa: E402
+from model.precision import StagePrecision, torch_dtype  # noqa: E402
 from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_matching_loss  # noqa: E402
+from model.token_routing import TokenRouting  # noqa: E402
 from model.weights import WeightsExport, check_export, run_name  # noqa: E402
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_data_args, add_export_args, add_flow_args, add_optimizer_args, add_plumbing_args,
     add_routing_args, add_sampling_args, add_schedule_args, add_validation_args, positive_int,
 )
+from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
+from trainer.mechanics.distributed import (  # noqa: E402
+    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
+)
+from trainer.mechanics.ema import EMA  # noqa: E402
+from trainer.mechanics.metrics import Throughput  # noqa: E402
+from trainer.mechanics.optimizers import adamw  # noqa: E402
+from trainer.mechanics.position import Position  # noqa: E402
+from trainer.mechanics.previews import Previews  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
+from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    EMA, GRAMMAR_WORDS, Checkpointer, FlowLearner, MemoryPlan, MetricsLog, NamedOptimizerState, NonFiniteSteps,
-    Outputs, Position, Previews, RunSpec, StagePrecision, StopSignal, Throughput, TokenRouting, adamw,
-    checkpoint_stem, data_parallel, find_resume, finish_run, fit_memory, init_distributed, log_peak, lr_at,
-    mean_and_any, meta_model, resume_run, resumed_dtype, run_main, run_precision, set_lr, stage_data, sync_gradients,
-    to_item, torch_dtype, write_export,
+    FlowLearner, NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr,
+    start_run,
 )
 
 
@@ -93,17 +107,10 @@ def main(argv=None):
     (train)."""
     args = parse_args(argv)
     # The processes, the log, the resume checkpoint asked for (read and verified; None: a fresh run), the precision
-    info = init_distributed(args.fsdp, args.fsdp_shard_size, args.dist_timeout)
+    # and the seed (the same initial weights on every rank)
     name = run_name("pretrain", args.preset)
-    metrics = MetricsLog(info, "pretrain", name, args.out_dir, (args.wandb_project, vars(args)) if args.use_wandb
-                         else None)
-    saved = find_resume("0" if args.cache_only else args.from_resume, checkpoint_stem(args.save_dir, name), info)
-    precision = run_precision(args.dtype, args.frozen_dtype, StagePrecision("pretrain"), info, bool(args.base),
-                              resumed_dtype(saved, info.world_size))
-    for line in precision.notes:
-        metrics.log(line)
-    metrics.log(f"recipe: {args.recipe_note}")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    run = start_run(StagePrecision("pretrain"), name, args.run_settings)
+    info, metrics, saved, precision = run.info, run.metrics, run.saved, run.precision
 
     # The frozen components; the data and its cache (the text encoders then freed); the estimate; a fresh
     # transformer of the preset's size on the components' widths
@@ -211,24 +218,17 @@ def train(args, info, position, data, learner, out):
             seconds = time.perf_counter() - started
 
             val_loss = None
-            if data.validation and (position.step % args.val_interval == 0 or position.finished):
+            if data.validation and position.due(args.val_interval):
                 val_loss = out.previews.validation_loss(data.validation)
             metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
                                      **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
                           warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.step % args.save_interval == 0 or position.finished or stopping:
-                saving = time.perf_counter()
-                written = out.checkpointer.save()  # the resume checkpoint, then what other tools read
-                written += write_export(out.export, (ema or learner.model).state_dict(), position, info)
-                log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
-                    f"{time.perf_counter() - saving:.1f} s")
-                metrics.plot(position.step, last=position.finished or stopping)
-            if not stopping and (position.finished or args.sample_interval and
-                                 position.step % args.sample_interval == 0):
-                path, took = out.previews.grid(position.step, data.prompts)  # every rank of a sharded run draws it
-                log(f"sample grid: {path} ({took})")
-    finish_run(out, learner.components, info, stopping, stop.received)
-    return position.step
+            if position.due(args.save_interval) or stopping:
+                # the resume checkpoint, then what other tools read (the EMA, else the weights); older ones deleted
+                save_step(out, ema or learner.model, position, info, last=position.finished or stopping)
+            if position.due(args.sample_interval) and not stopping:
+                sample_grid(out, position.step, data.prompts)
+    return finish_run(out, learner.components, info, stopping, stop.received)
 
 
 if __name__ == "__main__":

@@ -1,66 +1,105 @@
-"""The door a stage script comes in by: everything it calls around its loop, and nothing it must open to read how
-it trains. The loop's own torch calls (the loss, backward, clipping, the optimizer's step) stay in the stage.
+"""What every stage does around its loop, defined here: a stage imports these from this file, and everything else
+from the module that defines it (its import block is the map). The loop's own torch calls (the loss, backward,
+clipping, the optimizer's step) stay in the stage.
 
-    start a run     init_distributed -> info; MetricsLog (the log, metrics file, progress bar, wandb); find_resume
-                    (the resume checkpoint asked for, read and verified, or None); run_precision
-    its data        stage_data (the data, its cache, the grids' prompts, the validation images: all of it in
-                    dataset/training_data.py); ready_data
-    its weights     start_weights_source, load_network, adapter_count; fit_memory (the estimate, and the blocks
-                    recomputed in backward); data_parallel (DDP or FSDP2 shards); adamw; EMA
-    its outputs     Position (where the run is in its data), Checkpointer + RunSpec (the resume checkpoint),
-                    Previews (sample grids, validation loss), Throughput (FLOPs, MFU), Outputs
-    resume          resume_run: the run continued where its checkpoint left off, or started
-    the schedule    lr_at (below: warmup, then cosine decay, at the run's position) and set_lr
-    a step          sync_gradients (the accumulation's sync decision), mean_over_processes (the loss, on the
-                    device), whole, not_finite (the skip of a step that is not finite, decided on the device),
-                    mean_and_any (a step's one all-reduce and read), to_item
-    a log step      StepRows (the steps' values read at once), any_process (a stop agreed on), write_steps (their
-                    rows, and NonFiniteSteps' warnings: the end after many skipped steps)
-    save            Checkpointer.save, write_export (what other tools read)
-    stop            StopSignal (SIGTERM, Ctrl-C: saved at the step's end); finish_run
+    start a run     RunSettings (what the arguments say of it: args.run_settings), start_run -> RunStart (the
+                    processes, the log, the resume checkpoint asked for, the precision, the seed)
+    its weights     start_weights_source, load_network, adapted_frozen, adapter_count; text_adapters,
+                    text_optimizer, text_modules (the text encoders' LoRA); log_peak (the memory measured)
+    its loop        FlowLearner (what a flow-matching loop trains), run_graphs (its CUDA graphs), step_inputs
+    resume          Outputs (what a run writes), resume_run: the run continued where its checkpoint left off
+    the schedule    lr_at (warmup, then cosine decay, at the run's position) and set_lr
+    a step          not_finite, NonFiniteSteps (the skip of a step that is not finite), write_steps
+    save            save_step: what a save writes, and which older files it deletes; sample_grid
+    the end         finish_run
 
-What these call lives below: the data in dataset/training_data.py, the estimate in model/memory.py, the rest in
-trainer/mechanics/: distributed.py (processes, DDP and FSDP, state in any layout), checkpointer.py (saves and
-resume, DCP shards), position.py, metrics.py, previews.py, ema.py, optimizers.py, signals.py, state.py. A stage
-does not import them; nothing there imports this module.
+Below it: the data in dataset/training_data.py, the estimate in model/memory.py, the mechanics in
+trainer/mechanics/ (processes, DDP and FSDP in distributed.py; the resume checkpoint in checkpointer.py; the
+position, metrics, previews, EMA, optimizers, signals, the run lock). Nothing there imports this module.
 """
 import math
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from dataset.training_data import (
-    StageData, ready_data, stage_data, training_dataset, validation_data, warn_truncated,
-)
-from dataset.shapes import GRAMMAR_WORDS
-from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
+from dataset.training_data import warn_truncated
 from model.block_swap import BlockSwap
-from model.errors import UserError, run_main
-from model.memory import MemoryPlan, fit_memory, peak_rss
-from model.model_lora import (
-    TEXT_PREFIXES, TEXT_TARGETS, Adapter, apply_lora, is_lora_file, lora_layers, lora_parameters,
-)
+from model.diffusers_io import DIFFUSERS_WEIGHTS, diffusers_transformer_dir
+from model.errors import UserError
+from model.memory import peak_rss
+from model.model_lora import TEXT_PREFIXES, TEXT_TARGETS, Adapter, apply_lora, is_lora_file, lora_layers, \
+    lora_parameters
 from model.model_sd3light import meta_model
-from model.precision import StagePrecision, int8_weights, run_precision, torch_dtype
-from model.rectified_flow import PREDICTIONS, FlowRecipe, Sampler, flow_inputs
+from model.precision import int8_weights, run_precision, torch_dtype
+from model.rectified_flow import FlowRecipe, flow_inputs
 from model.step_graphs import StepGraphs, graphs_choice, graphs_refusal
-from model.token_routing import TokenRouting
 from model.weights import WEIGHT_STAGES, diffusers_source, load_transformer, run_name, weights_source
-from trainer.mechanics.checkpointer import (
-    Checkpointer, RunSpec, checkpoint_stem, find_resume, resume_lines, resumed_dtype,
-)
-from trainer.mechanics.distributed import (
-    NamedOptimizerState, any_process, average_gradients, data_parallel, init_distributed, leave_together, mean_and_any,
-    mean_over_processes, sync_gradients, to_item, whole, write_export,
-)
-from trainer.mechanics.ema import EMA
-from trainer.mechanics.metrics import MetricsLog, StepRows, Throughput
-from trainer.mechanics.optimizers import StepInBackward, adamw, check_step_in_backward
-from trainer.mechanics.position import Position
-from trainer.mechanics.previews import Previews, step_zero
-from trainer.mechanics.signals import StopSignal
+from trainer.mechanics.checkpointer import Checkpointer, checkpoint_stem, find_resume, resume_lines, resumed_dtype
+from trainer.mechanics.distributed import gathered, init_distributed, leave_together
+from trainer.mechanics.metrics import MetricsLog, Throughput
+from trainer.mechanics.optimizers import adamw
+from trainer.mechanics.previews import Previews
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run's start
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a stage's arguments say of its run's start, each field the option of its name (the stage's parser
+    fills it: args.run_settings): the processes (--fsdp...), the folders, the resume asked for, the precision asked
+    for, the seed and wandb; `recipe_note`, which recipe is in force, and `arguments`, all of them (wandb's
+    config)."""
+    fsdp: int
+    fsdp_shard_size: int
+    dist_timeout: float
+    out_dir: str
+    save_dir: str
+    from_resume: str
+    cache_only: bool
+    dtype: str
+    frozen_dtype: str
+    base: str
+    seed: int
+    use_wandb: bool
+    wandb_project: str
+    trained_dtype: str = "fp32"
+    recipe_note: str = None
+    arguments: dict = None
+
+
+@dataclass(frozen=True)
+class RunStart:
+    """What start_run hands the stage: its processes (DistInfo), its log (MetricsLog: lines, the metrics file, the
+    progress bar, wandb), the resume checkpoint (`saved`: read and verified; None for a fresh run) and the
+    precision resolved (model/precision.Precision)."""
+    info: object
+    metrics: MetricsLog
+    saved: dict
+    precision: object
+
+
+def start_run(rules, name, settings):
+    """A run's start, the same in every stage: its processes (torchrun's, DDP or FSDP2's mesh), its log, the resume
+    checkpoint asked for (every process reads and verifies it; none with --cache_only), the precision the stage's
+    `rules` (model/precision.StagePrecision) allow, resolved against what a resumed run computed in, their lines and
+    the recipe's, then the seed (the same initial weights, or adapters, on every rank). `name`: the run's (its
+    files' stem); `settings`: RunSettings. -> RunStart"""
+    info = init_distributed(settings.fsdp, settings.fsdp_shard_size, settings.dist_timeout)
+    metrics = MetricsLog(info, rules.stage, name, settings.out_dir,
+                         (settings.wandb_project, settings.arguments) if settings.use_wandb else None)
+    saved = find_resume("0" if settings.cache_only else settings.from_resume,
+                        checkpoint_stem(settings.save_dir, name), info)
+    precision = run_precision(settings.dtype, settings.frozen_dtype, rules, info, bool(settings.base),
+                              resumed_dtype(saved, info.world_size), settings.trained_dtype)
+    for line in (*precision.notes, f"recipe: {settings.recipe_note}"):
+        metrics.log(line)
+    torch.manual_seed(settings.seed)
+    return RunStart(info, metrics, saved, precision)
 
 
 @dataclass(frozen=True)
@@ -350,11 +389,45 @@ def resume_run(saved, out, stage, parameters, info):
     out.metrics.open(position.step, position.step + position.steps_left, saved is not None)
 
 
+def save_step(out, weights, position, info, last, peak=False):
+    """A save, the same in every stage (the loop decides when); every process calls it. It writes, each file
+    verified as it is read back before its manifest commits it:
+      1. the resume checkpoint (out.checkpointer: model/checkpoint.py's save_checkpoint): the position, every rank's
+         random streams and each named object, in checkpoints/<run>_resume.step<N>.pt (and a .dcp folder of shards
+         when sharded), committed by checkpoints/<run>_resume.json;
+      2. what other tools read (out.export): `weights` (the EMA, else what trains) made whole on rank 0 and written
+         by model/weights.py's WeightsExport (out/<run>.step<N>.safetensors committed by out/<run>.json, and the
+         diffusers or single-file copies asked for) or model/model_lora.py's LoRAExport (one LoRA file, written
+         to a temp file and renamed over the last);
+      then a line, with `peak` the peak memory measured after it (log_peak), and the curves (at the `last` save,
+      else at most once a minute).
+    Which older files it deletes: after each commit, the step files and temp files of that stem that its manifest
+    no longer names (model/checkpoint.py's remove_leftovers): a run keeps its last resume checkpoint and its last
+    export, and nothing else in its folders is touched."""
+    began = time.perf_counter()
+    written = out.checkpointer.save()
+    whole = gathered(weights.state_dict(), info)  # one tensor at a time on the device
+    if info.is_main:
+        written += out.export.write(position.step, whole, position.samples_seen)
+    out.metrics.log(f"saved step {position.step}: {written / 1e6:.0f} MB written and verified in "
+                    f"{time.perf_counter() - began:.1f} s")
+    if peak:
+        log_peak(info, f"saving step {position.step}", out.metrics.log)
+    out.metrics.plot(position.step, last)
+
+
+def sample_grid(out, step, prompts):
+    """The grid of `prompts` drawn with the weights the run exports, at `step` (every rank of a sharded run draws
+    it), and its line."""
+    path, took = out.previews.grid(step, prompts)
+    out.metrics.log(f"sample grid: {path} ({took})")
+
+
 def finish_run(out, components, info, stopped, received):
     """The run's end: the progress bar and wandb closed, the data loader let go, every process waiting for the
     others (rank 0 may still be writing), the captions CLIP cut short counted, and the last line: where the output
     is, or, for a run a stop signal ended (`stopped`; `received`: this process's signal, None if another's), how to
-    continue it."""
+    continue it. -> the step the run ended at."""
     out.metrics.close()
     out.checkpointer.position.close()
     leave_together(info)
@@ -363,3 +436,4 @@ def finish_run(out, components, info, stopped, received):
     position = out.checkpointer.position
     out.metrics.log(stop_message(received, position.step) if stopped else
                     f"done: {out.export.output} (step {position.step})")
+    return position.step

@@ -14,7 +14,7 @@ A sharded run's state dicts hold DTensors. What a resume checkpoint stores is th
 model's parameter names as keys, the optimizer's state too: NamedOptimizerState), so a checkpoint written by one
 mode loads into another: `conform` cuts full tensors into this process's shards; trainer/mechanics/sharded_checkpoint.py
 reads DCP shards into whatever layout the run has. `gathered` makes a sharded state dict whole on rank 0 for the
-exported weights (write_export).
+exported weights (trainer_utils.save_step).
 """
 import ctypes
 import itertools
@@ -82,6 +82,11 @@ def init_distributed(fsdp=0, shard_size=0, timeout_minutes=60):
     if not cuda:
         map_large_allocations()
     return DistInfo(rank, local_rank, world, device, mesh)
+
+
+def launched_world_size():
+    """The processes torchrun launched (its WORLD_SIZE), 1 under plain python: known before any process group."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else 1
 
 
 def map_large_allocations(threshold=1 << 20):
@@ -261,14 +266,6 @@ def gathered(state, info):
         if info.is_main:
             whole[key] = value.detach().cpu()
     return whole if info.is_main else None
-
-
-def write_export(export, state, position, info):
-    """What other tools read of a run at its position: `state` (the exported weights' state dict) made whole on
-    rank 0 (gathered) and written by `export` (model/weights.WeightsExport, model/model_lora.LoRAExport); every
-    process calls it. -> bytes written (0 on the other ranks)."""
-    weights = gathered(state, info)
-    return export.write(position.step, weights, position.samples_seen) if info.is_main else 0
 
 
 def is_dtensor(value):

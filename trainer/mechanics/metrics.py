@@ -4,7 +4,9 @@ and MFU of its steps (Throughput).
 """
 import json
 import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -115,7 +117,7 @@ class MetricsLog:
     def __init__(self, info, stage, name, out_dir, wandb=None):
         self.info, self.stage, self.name, self.out_dir, self.wandb = info, stage, name, out_dir, wandb
         self.path = os.path.join(out_dir, f"{name}_metrics.jsonl")
-        self.bar = self.bar_span = self.wandb_run = self.wandb_id = self.last_val = None
+        self.bar = self.bar_span = self.wandb_run = self.wandb_id = self.last_val = self.shown_warning = None
         self.plotted = time.monotonic()
 
     def log(self, msg):
@@ -185,6 +187,16 @@ class MetricsLog:
 
             first, total = self.bar_span
             self.bar = tqdm(total=total, initial=first, desc=self.stage, dynamic_ncols=True)
+            # a warning (torch's, a library's) while the bar is drawn goes above it, on a line of its own
+            self.shown_warning, warnings.showwarning = warnings.showwarning, self.show_warning
+
+    def show_warning(self, message, category, filename, lineno, file=None, line=None):
+        """warnings.showwarning's, while the bar is drawn: the warning written above the bar, the bar below it (once
+        an error has closed the bar, as before it)."""
+        if self.bar is None or self.bar.disable:
+            return self.shown_warning(message, category, filename, lineno, file, line)
+        text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+        self.bar.write(text, file or sys.stderr)
 
     def plot(self, step, last):
         """The run's curves so far (eval/plot_metrics.py) beside its sample grids, at a save: at the run's `last`
@@ -206,6 +218,7 @@ class MetricsLog:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+            warnings.showwarning = self.shown_warning
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

@@ -81,6 +81,11 @@ class Position:
     def finished(self):
         return self.samples_seen >= self.plan_steps * self.plan_batch
 
+    def due(self, interval):
+        """Whether what a run does every `interval` steps (save, sample, validate) is due at this step: at each
+        multiple of it, and at the run's end (`interval` 0: at the end only)."""
+        return self.finished or bool(interval) and self.step % interval == 0
+
     @property
     def steps_left(self):
         return math.ceil((self.plan_steps * self.plan_batch - self.samples_seen) / self.global_batch)
