@@ -172,7 +172,7 @@ class BuiltinComponents(nn.Module):
         (with gradients) -> {feature name: tensor}, empty if it does not train."""
         if not self.trained_text:
             return {}
-        tokens, pooled = self.condition(self.encode_text(captions))
+        tokens, pooled = self.encode_prompts(captions)
         return {"text_tokens": tokens, "text_pooled": pooled}
 
     def trained_state_dict(self):

@@ -8,7 +8,7 @@ import torch
 
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-import trainer.trainer_utils as trainer_utils
+import trainer.networks as networks
 from eval.sampling import load_for_sampling, sample_images
 from model.rectified_flow import Sampler
 from model.checkpoint import first_difference, read_manifest
@@ -95,8 +95,8 @@ def test_lora_training_changes_only_the_adapters(tmp_path, base, monkeypatch):
         seen["trained"] = [p for p in model.parameters() if p.requires_grad]
         return adapted
 
-    apply_lora = trainer_utils.apply_lora  # the stage puts its adapters on through trainer_utils.adapted_frozen
-    monkeypatch.setattr(trainer_utils, "apply_lora", apply_and_watch)
+    apply_lora = networks.apply_lora  # the stage puts its adapters on through networks.adapted_frozen
+    monkeypatch.setattr(networks, "apply_lora", apply_and_watch)
     run_stage(train_lora, ["--from_weight", base, "--num_samples", "16", "--prior_data", "none",
                            "--lora_targets", "attention,ff", "--lora_rank", "4", "--lora_alpha", "8",
                            "--batch_size", "4", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0",

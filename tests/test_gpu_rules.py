@@ -15,7 +15,7 @@ from model import memory
 from model.components import SD3Components
 from model.precision import StagePrecision, resolve_dtype, resolve_frozen_dtype, run_precision, use_tf32
 from model.token_routing import to_device
-from trainer import trainer_utils
+from trainer import networks, trainer_utils
 from trainer.mechanics import distributed
 from trainer.mechanics.distributed import DistInfo, data_parallel, init_distributed, mean_and_any
 from trainer.mechanics.ema import EMA
@@ -135,14 +135,14 @@ def test_ddp_does_not_broadcast_the_constant_buffers(group_of_one):
 
 
 def test_under_fsdp_rank_0_loads_on_the_cpu_and_shards_from_there(tmp_path, pretrained):
-    source = trainer_utils.start_weights_source(pretrained, "tiny", None, str(tmp_path))
+    source = networks.start_weights_source(pretrained, "tiny", None, str(tmp_path))
     # a "GPU" no tensor may reach: under FSDP rank 0 loads on the CPU, the other ranks hold nothing
     sharded = DistInfo(device=torch.device("meta"), mesh=object())
     assert sharded.load_device == torch.device("cpu") and DistInfo(device=CUDA).load_device == CUDA
     for role in ("trained", "frozen"):
-        model = trainer_utils.load_network(source, role, "fp32", sharded)
+        model = networks.load_network(source, role, "fp32", sharded)
         assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
-        other = trainer_utils.load_network(source, role, "fp32", DistInfo(rank=1, device=torch.device("meta"),
+        other = networks.load_network(source, role, "fp32", DistInfo(rank=1, device=torch.device("meta"),
                                                                           mesh=object()))
         assert all(t.is_meta for t in other.state_dict().values())
 

@@ -24,9 +24,9 @@ from model.model_sd3light import SD3LightConfig, meta_model, preset_config
 from model.rectified_flow import Sampler
 from model.precision import StagePrecision, run_precision, torch_dtype
 from model.weights import load_components, load_transformer
-from trainer import trainer_utils
+from trainer import networks
 from trainer.mechanics.distributed import DistInfo
-from trainer.trainer_utils import start_weights_source
+from trainer.networks import start_weights_source
 
 from tests.scripts import run, run_here, run_in_process
 from tests.conftest import final_state
@@ -55,7 +55,7 @@ def started(module, stage, roles, argv, adapt=None):
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     data = training_data.stage_data(args.data_settings, components,
                                     SD3LightConfig.from_dict(source["transformer"]), info, args.batch_size, print)
-    nets = {name: trainer_utils.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen,
+    nets = {name: networks.load_network(source, "trained" if role == "trained" else "frozen", precision.frozen,
                                              info)
             for name, role in roles.items()}
     for name, role in roles.items():

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dataset.preference_pairs import encode_pairs, side
+from dataset.preference_pairs import PairPool, PreferencePairs, encode_pairs, side
+from dataset.training_data import StageData, validation_data
 from eval.eval_geneval import clauses_held, is_correct, training_prompts
 from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
@@ -197,6 +198,20 @@ def draw_round(model, components, specs, seeds, rounds, device):
         pairs.append([(spec["caption"], own[i], own[j]) for i, j in pair_indices(scores, rounds.choice)])
         stats.append((float(scores.mean()), float(right.mean())))
     return pairs, stats
+
+
+def preference_data(pairs, rounds, components, settings, log):
+    """What Flow-DPO trains on (a StageData): the pairs of the manifest `pairs`, or for 'builtin' a pool the run
+    fills from its own samples (`rounds`: PairRounds; the built-in components only), their grid prompts, and the
+    validation images (`settings`: the stage's DataSettings, --val_data)."""
+    if pairs != "builtin":
+        dataset = PreferencePairs(pairs, settings.resolution, log=log)
+    elif components.spec["kind"] != "builtin":
+        raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
+                        "components: with --base, pass a .jsonl of pairs")
+    else:
+        dataset = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), settings.resolution)
+    return StageData(dataset, dataset.sample_prompts(), validation_data(settings, None, log))
 
 
 def refresh_pool(pool, round_, model, components, info, rounds, log):

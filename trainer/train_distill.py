@@ -56,9 +56,9 @@ from trainer.mechanics.position import Position  # noqa: E402
 from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
+from trainer.networks import load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    NonFiniteSteps, Outputs, finish_run, load_network, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr,
-    start_run, start_weights_source,
+    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr, start_run,
 )
 
 

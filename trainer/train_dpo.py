@@ -34,11 +34,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dataset.preference_pairs import PairPool, PreferencePairs  # noqa: E402
-from dataset.training_data import StageData, ready_data, validation_data  # noqa: E402
+from dataset.preference_pairs import PairPool  # noqa: E402
+from dataset.training_data import ready_data  # noqa: E402
 from eval.eval_geneval import PROMPTS_PER_TASK, all_prompts  # noqa: E402
 from model.block_swap import swap_request  # noqa: E402
-from model.errors import UserError, run_main  # noqa: E402
+from model.errors import run_main  # noqa: E402
 from model.memory import MemoryPlan, fit_memory  # noqa: E402
 from model.model_lora import (  # noqa: E402
     ADAPTER_KINDS, TARGET_GROUPS, Adapter, LoRAExport, LoRAWeights, resolve_targets,
@@ -68,11 +68,11 @@ from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.preference import (  # noqa: E402
     DPOLearner, DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference,
-    pairs_per_prompt, refresh_pool,
+    preference_data, refresh_pool,
 )
+from trainer.networks import adapted_frozen, adapter_count, load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    NonFiniteSteps, Outputs, adapted_frozen, adapter_count, finish_run, load_network, log_peak, lr_at, resume_run,
-    sample_grid, save_step, set_lr, start_run, start_weights_source,
+    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr, start_run,
 )
 
 
@@ -147,22 +147,6 @@ def pair_rounds(args, source, autocast):
     return PairRounds(args.pair_prompts, args.pair_images, args.pair_choice, sampler, args.seed, scored)
 
 
-def pair_data(args, components, config, rounds, info, log):
-    """The pairs (a pool the run fills from its own samples, for --pairs builtin on the built-in components, or a
-    manifest's), their grid prompts and the validation images (--val_data), made ready for the steps: sizes
-    checked, validation encoded, the cache built when it is on (dataset/training_data.ready_data)."""
-    if args.pairs != "builtin":
-        pairs = PreferencePairs(args.pairs, args.resolution, log=log)
-    elif components.spec["kind"] != "builtin":
-        raise UserError("--pairs builtin draws and scores images of the built-in world, which needs the built-in "
-                        "components: with --base, pass a .jsonl of pairs")
-    else:
-        pairs = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), args.resolution)
-    settings = args.data_settings
-    data = StageData(pairs, pairs.sample_prompts(), validation_data(settings, None, log))
-    return ready_data(settings, data, components, config, info, args.batch_size, log)
-
-
 def policy(args, source, precision, info, plan, log):
     """The policy and the frozen reference (in --frozen_dtype): a copy of the starting weights; or with --lora_rank
     the base frozen with adapters on it, its first blocks streamed from host memory where the memory plan swaps
@@ -218,7 +202,11 @@ def main(argv=None):
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    data = pair_data(args, components, config, rounds, info, metrics.log)
+    # the pairs, their grid prompts and the validation images, made ready for the steps (sizes checked, validation
+    # encoded, the cache built when it is on)
+    data = ready_data(args.data_settings, preference_data(args.pairs, rounds, components, args.data_settings,
+                                                          metrics.log), components, config, info, args.batch_size,
+                      metrics.log)
     if data.dataset is None:  # --cache_only: the cache is built
         return None
     plan = fit_memory(config, plan, components, precision, info, metrics.log)

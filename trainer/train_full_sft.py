@@ -50,9 +50,10 @@ from trainer.mechanics.position import Position  # noqa: E402
 from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
+from trainer.networks import load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    FlowLearner, NonFiniteSteps, Outputs, finish_run, load_network, log_peak, lr_at, not_finite, resume_run,
-    run_graphs, sample_grid, save_step, set_lr, start_run, start_weights_source, step_inputs, write_steps,
+    FlowLearner, NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, run_graphs,
+    sample_grid, save_step, set_lr, start_run, step_inputs, write_steps,
 )
 
 

@@ -6,13 +6,13 @@
     checkpointer = Checkpointer(stem, info, spec, position, {"model": model, "optimizer": ..., "ema": ema})
     checkpointer.restore(saved)                           # a fresh run: nothing to restore (trainer_utils.resume_run)
     ...
-    if position.step % args.save_interval == 0 or ...:
+    if position.due(args.save_interval) or stopping:     # the stage decides; trainer_utils.save_step saves
         written = checkpointer.save()
 
 It holds the run's position (trainer/mechanics/position.py) and its named objects, anything with state_dict()
 and load_state_dict() (networks, optimizers, EMAs, the metrics' wandb id), the run's spec (RunSpec, below: what a
-resume compares) and every rank's random streams. The stage decides when to save, and writes what other tools
-read (the exported weights) itself. Only rank 0 writes, except in a sharded run (--fsdp 1), where every rank
+resume compares) and every rank's random streams. The stage decides when to save; trainer_utils.save_step calls
+this and then writes what other tools read (the exported weights). Only rank 0 writes, except in a sharded run (--fsdp 1), where every rank
 writes its shards of the named objects (trainer/mechanics/sharded_checkpoint.py) and rank 0 the rest; the
 manifest commits them all (model/checkpoint.py).
 

@@ -63,7 +63,8 @@ def init_distributed(fsdp=0, shard_size=0, timeout_minutes=60):
     for every process (NCCL's own default, 10, is less than rank 0 may take to write and verify a large save)."""
     cuda = torch.cuda.is_available()
     env = "RANK" in os.environ
-    rank, local_rank, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE")) if env else (0, 0, 1)
+    rank, local_rank = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK")) if env else (0, 0)
+    world = launched_world_size()
     if shard_size and not fsdp:
         raise UserError("--fsdp_shard_size shards the weights: it needs --fsdp 1")
     if shard_size and world % shard_size:

@@ -16,10 +16,8 @@ import os
 import sys
 import weakref
 
-import torch
-import torch.distributed as dist
-
 from model.errors import UserError
+from trainer.mechanics.distributed import any_process
 
 
 class RunFolders:
@@ -93,11 +91,8 @@ def hold_run_folders(folders, name, info):
                 error = held
                 break
             files += [held] if held is not None else []
-    if info.world_size > 1:  # every process learns rank 0's outcome
-        failed = torch.tensor([error is not None], dtype=torch.float64, device=info.device)
-        dist.broadcast(failed, 0)
-        if failed.item() and error is None:
-            error = "rank 0 found the run's folders in use by another run (its error is above)"
+    if any_process(error is not None, info) and error is None:  # every process learns rank 0's outcome
+        error = "rank 0 found the run's folders in use by another run (its error is above)"
     if error is not None:
         let_go(files)
         raise UserError(error)
