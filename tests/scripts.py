@@ -32,14 +32,15 @@ def run(args, torchrun=0, check=True):
     return result
 
 
-def run_many(stage, runs, torchrun=2):
+def run_many(stage, runs, torchrun=2, captured=False):
     """Run stage module `stage`'s main() (e.g. "trainer.train_pretrain") once per argument list of `runs`, one
-    after the other in the same `torchrun` processes (tests/stage_runs.py): one launch, not one a run."""
+    after the other in the same `torchrun` processes (tests/stage_runs.py): one launch, not one a run. `captured`:
+    torch.compile with its eager backend (Dynamo's capture, eager kernels)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "runs.json")
         with open(path, "w") as f:
             json.dump([list(argv) for argv in runs], f)
-        return run(["tests/stage_runs.py", stage, path], torchrun=torchrun)
+        return run(["tests/stage_runs.py", stage, path] + (["--captured"] if captured else []), torchrun=torchrun)
 
 
 def run_here(module, argv, capsys, threads=None):

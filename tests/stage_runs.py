@@ -6,6 +6,9 @@ launches torchrun once for all, not once a run: a launch costs two processes' st
 text encoder, kernels compiled), some 10 s of CPU each.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/stage_runs.py trainer.train_pretrain runs.json
+
+With --captured, torch.compile runs with its "eager" backend (tests/conftest.compiled_as_captured): Dynamo
+captures each graph as inductor would get it, and its kernels are eager ones, not compiled afresh by every rank.
 """
 import functools
 import importlib
@@ -31,6 +34,11 @@ def meet_at_a_new_store(agent, number):
 
 
 if __name__ == "__main__":
+    if "--captured" in sys.argv:
+        import torch
+
+        sys.argv.remove("--captured")
+        torch.compile = functools.partial(torch.compile, backend="eager")
     stage = importlib.import_module(sys.argv[1])
     with open(sys.argv[2]) as f:
         runs = json.load(f)

@@ -90,7 +90,11 @@ def leg_name(mode, steps, after=None):
 def run_batch(batch, root):
     """Run the legs of `batch` into folders of `root`: first those from scratch, then the resumed copies. The legs
     of two processes of each phase run in one torchrun launch, those of one process in this one (run_main tears its
-    process group down, as at a script's end)."""
+    process group down, as at a script's end). In the fp32 batch torch.compile (the compiled leg's blocks) runs as
+    captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile the
+    blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch the
+    update stays compiled (eager, its arithmetic costs more than compiling it)."""
+    captured = not any("8bit" in mode for mode, *_ in batch)
     for resumed in (False, True):
         launched = []
         for mode, steps, *after in batch:
@@ -106,7 +110,7 @@ def run_batch(batch, root):
             else:
                 run_main(functools.partial(train_pretrain.main, args))
         if launched:
-            run_many("trainer.train_pretrain", launched, torchrun=2)
+            run_many("trainer.train_pretrain", launched, torchrun=2, captured=captured)
 
 
 def whole_resume_state(folder, name="pretrain_tiny"):
