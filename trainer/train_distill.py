@@ -312,7 +312,7 @@ def train(args, info, position, data, learner, out):
             if position.due(args.save_interval) or stopping:
                 # the resume checkpoint, then what other tools read (the generator's EMA, else its weights); older
                 # ones deleted
-                save_step(out, ema or nets.generator, position, info, last=position.finished or stopping)
+                save_step(out, ema or nets.generator, position, info, stopping)
             if position.due(args.sample_interval) and not stopping:
                 sample_grid(out, position.step, data.prompts)
     return finish_run(out, learner.components, info, stopping, stop.received)

@@ -329,7 +329,7 @@ def train(args, info, position, data, learner, out, rounds):
                           warning is not None, position.step_ids() if args.log_sample_ids else None)
             if position.due(args.save_interval) or stopping:
                 # the resume checkpoint, then what other tools read (the EMA, else the policy); older ones deleted
-                save_step(out, ema or trained, position, info, last=position.finished or stopping)
+                save_step(out, ema or trained, position, info, stopping)
             if position.due(args.sample_interval) and not stopping:
                 sample_grid(out, position.step, data.prompts)
     return finish_run(out, learner.components, info, stopping, stop.received)

@@ -283,7 +283,7 @@ def train(args, info, position, data, learner, out, fused):
                 log_peak(info, f"step {position.step}", log)  # what a save adds to it: the line after it
                 # the resume checkpoint, then what other tools read (the EMA, else the weights); older ones deleted;
                 # the peak again, measured after the save
-                save_step(out, ema or learner.model, position, info, last=position.finished or stopping, peak=True)
+                save_step(out, ema or learner.model, position, info, stopping, peak=True)
             if position.due(args.sample_interval) and not stopping:
                 sample_grid(out, position.step, data.prompts)
     return finish_run(out, learner.components, info, stopping, stop.received)

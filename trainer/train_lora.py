@@ -291,7 +291,7 @@ def train(args, info, position, data, learner, out):
                 write_steps(steps, guard, metrics, out.throughput, position.global_batch)
             if saving or stopping:
                 # the resume checkpoint, then the LoRA file (the EMA's adapters, else their own); older ones deleted
-                save_step(out, ema or adapters, position, info, last=position.finished or stopping)
+                save_step(out, ema or adapters, position, info, stopping)
             if position.due(args.sample_interval) and not stopping:
                 sample_grid(out, position.step, data.prompts)
     finish_run(out, learner.components, info, stopping, stop.received)

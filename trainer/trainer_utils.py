@@ -288,7 +288,7 @@ def resume_run(saved, out, stage, parameters, info):
     out.metrics.open(position.step, position.step + position.steps_left, saved is not None)
 
 
-def save_step(out, weights, position, info, last, peak=False):
+def save_step(out, weights, position, info, stopping, peak=False):
     """A save, the same in every stage (the loop decides when); every process calls it. It writes, each file
     verified as it is read back before its manifest commits it:
       1. the resume checkpoint (out.checkpointer: model/checkpoint.py's save_checkpoint): the position, every rank's
@@ -298,8 +298,8 @@ def save_step(out, weights, position, info, last, peak=False):
          by model/weights.py's WeightsExport (out/<run>.step<N>.safetensors committed by out/<run>.json, and the
          diffusers or single-file copies asked for) or model/model_lora.py's LoRAExport (one LoRA file, written
          to a temp file and renamed over the last);
-      then a line, with `peak` the peak memory measured after it (log_peak), and the curves (at the `last` save,
-      else at most once a minute).
+      then a line, with `peak` the peak memory measured after it (log_peak), and the curves (at the run's last
+      save, at its end or at a stop (`stopping`), else at most once a minute).
     Which older files it deletes: after each commit, the step files and temp files of that stem that its manifest
     no longer names (model/checkpoint.py's remove_leftovers): a run keeps its last resume checkpoint and its last
     export, and nothing else in its folders is touched."""
@@ -312,7 +312,7 @@ def save_step(out, weights, position, info, last, peak=False):
                     f"{time.perf_counter() - began:.1f} s")
     if peak:
         log_peak(info, f"saving step {position.step}", out.metrics.log)
-    out.metrics.plot(position.step, last)
+    out.metrics.plot(position.step, last=position.finished or stopping)
 
 
 def sample_grid(out, step, prompts):

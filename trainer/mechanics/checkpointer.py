@@ -12,9 +12,9 @@
 It holds the run's position (trainer/mechanics/position.py) and its named objects, anything with state_dict()
 and load_state_dict() (networks, optimizers, EMAs, the metrics' wandb id), the run's spec (RunSpec, below: what a
 resume compares) and every rank's random streams. The stage decides when to save; trainer_utils.save_step calls
-this and then writes what other tools read (the exported weights). Only rank 0 writes, except in a sharded run (--fsdp 1), where every rank
-writes its shards of the named objects (trainer/mechanics/sharded_checkpoint.py) and rank 0 the rest; the
-manifest commits them all (model/checkpoint.py).
+this and then writes what other tools read (the exported weights). Only rank 0 writes, except in a sharded run
+(--fsdp 1), where every rank writes its shards of the named objects (trainer/mechanics/sharded_checkpoint.py) and
+rank 0 the rest; the manifest commits them all (model/checkpoint.py).
 
 Finding a resume checkpoint (every process reads it, all stop together if one cannot) and checking that it can
 continue this run: the same stage, what is trained, the identity arguments; recipe changes only when forced. What

@@ -51,8 +51,8 @@ class Position:
         self.global_batch = batch_size * accumulation_steps * info.world_size
         if len(dataset) < self.global_batch:
             raise UserError(f"the dataset has {len(dataset)} samples, fewer than one global batch "
-                            f"({self.global_batch} = batch_size x accumulation_steps x processes): lower --batch_size or "
-                            "--accumulation_steps, or add images")
+                            f"({self.global_batch} = batch_size x accumulation_steps x processes): lower "
+                            "--batch_size or --accumulation_steps, or add images")
         self.generator = torch.Generator().manual_seed(seed * 1000 + info.rank)  # sigmas, noise, dropout
         self.sampler = make_sampler(bucket_layout(dataset, resolution)[0], batch_size, info.rank, info.world_size,
                                     seed)
