@@ -47,7 +47,10 @@ MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1"
          "fsdp2_compiled": (2, ["--compile", "1", "--fsdp", "1", "--gradient_checkpointing", "1"])}
 # The legs the tests read, (mode, steps) or (mode, steps, (mode, steps) of the leg it resumes a copy of), run once
 # for the whole test run in two batches: fp32 AdamW, and 8-bit AdamW (with an fp32 FSDP leg of its own to compare
-# shard sizes with, so that neither batch waits for the other)
+# shard sizes with, so that neither batch waits for the other). The fp32 batch (and the tests that resume its legs)
+# trains the 2-block sd3-tiny preset on the built-in components, 0.3M parameters: what it checks, sharding against
+# DDP and resuming, holds at any size, and its saves and grids cost a twentieth of the tiny preset's 7.8M. The
+# 8-bit batch keeps the tiny preset: its tensors stay large enough in a shard (4096 values) for 8-bit state.
 BATCHES = {
     "fp32": [("fsdp2", 3), ("ddp2", 3), ("fsdp2", 6), ("hsdp2", 3), ("fsdp2_compiled", 2), ("fsdp1", 3), ("single", 3),
              ("fsdp2", 6, ("fsdp2", 3)), ("fsdp1", 6, ("fsdp2", 3)), ("single", 6, ("fsdp2", 3)),
@@ -58,6 +61,8 @@ BATCHES = {
              ("ddp2_8bit", 6, ("single_8bit", 3)), ("single_8bit", 6, ("fsdp2_8bit", 3)),
              ("single_8bit", 6, ("ddp2_8bit", 3))],
 }
+MODEL = {"fp32": ["--preset", "sd3-tiny"], "8bit": []}
+FP32_RUN = "pretrain_sd3-tiny"  # what the fp32 legs' files are called
 
 
 # Under pytest-xdist the tests that read the same batch run on one worker (they would wait there for the batch
@@ -76,7 +81,7 @@ def legs(shared):
     8-bit mode) runs once for the whole test run."""
     def leg(mode, steps, after=None, batch=None):
         batch = batch or ("8bit" if "8bit" in mode else "fp32")
-        folder = shared(f"legs-{batch}", functools.partial(run_batch, BATCHES[batch])) / leg_name(mode, steps, after)
+        folder = shared(f"legs-{batch}", functools.partial(run_batch, batch)) / leg_name(mode, steps, after)
         assert folder.is_dir(), f"no leg {folder.name} in batch {batch} (tests/test_fsdp.py's BATCHES)"
         return folder
 
@@ -88,22 +93,22 @@ def leg_name(mode, steps, after=None):
 
 
 def run_batch(batch, root):
-    """Run the legs of `batch` into folders of `root`: first those from scratch, then the resumed copies. The legs
+    """Run the legs of BATCHES[`batch`] (on MODEL[`batch`]) into folders of `root`: first those from scratch, then the resumed copies. The legs
     of two processes of each phase run in one torchrun launch, those of one process in this one (run_main tears its
     process group down, as at a script's end). In the fp32 batch torch.compile (the compiled leg's blocks) runs as
     captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile the
     blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch the
     update stays compiled (eager, its arithmetic costs more than compiling it)."""
-    captured = not any("8bit" in mode for mode, *_ in batch)
+    captured = batch == "fp32"
     for resumed in (False, True):
         launched = []
-        for mode, steps, *after in batch:
+        for mode, steps, *after in BATCHES[batch]:
             if bool(after) != resumed:
                 continue
             folder = root / leg_name(mode, steps, *after)
             if after:
                 shutil.copytree(root / leg_name(*after[0]), folder)
-            args = RECIPE[1:] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
+            args = RECIPE[1:] + MODEL[batch] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
             args += ["--from_resume", "1"] if after else []
             if MODES[mode][0]:
                 launched.append(args)
@@ -113,10 +118,16 @@ def run_batch(batch, root):
             run_many("trainer.train_pretrain", launched, torchrun=2, captured=captured)
 
 
-def whole_resume_state(folder, name="pretrain_tiny"):
-    """The resume checkpoint of a run folder with every tensor whole, whatever wrote it: the .pt, and for a sharded
-    run its DCP shards read back by this one process."""
-    stem = str(folder / "ckpt" / f"{name}_resume")
+def run_in(folder):
+    """The name of the run whose files a run folder holds (pretrain_sd3-tiny, pretrain_tiny): its metrics file's."""
+    (path,) = (folder / "out").glob("*_metrics.jsonl")
+    return path.name.removesuffix("_metrics.jsonl")
+
+
+def whole_resume_state(folder, name=None):
+    """The resume checkpoint of a run folder (of run `name`, by default the one it holds) with every tensor whole,
+    whatever wrote it: the .pt, and for a sharded run its DCP shards read back by this one process."""
+    stem = str(folder / "ckpt" / f"{name or run_in(folder)}_resume")
     state = load_torch(checkpoint_file(stem, read_manifest(stem, "resume"), ".pt"))
     if state["shards"]:
         shards = os.path.join(os.path.dirname(stem), state["shards"])
@@ -128,12 +139,12 @@ def whole_resume_state(folder, name="pretrain_tiny"):
 
 
 def exported(folder):
-    stem = str(folder / "out" / "pretrain_tiny")
+    stem = str(folder / "out" / run_in(folder))
     return load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
 
 
 def metrics(folder):
-    with open(folder / "out" / "pretrain_tiny_metrics.jsonl") as f:
+    with open(folder / "out" / f"{run_in(folder)}_metrics.jsonl") as f:
         return [json.loads(line) for line in f]
 
 
@@ -182,7 +193,7 @@ def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
     # and the diffusers transformer folder written beside it (v-prediction) loads in diffusers as those weights
     from diffusers import SD3Transformer2DModel
 
-    theirs = SD3Transformer2DModel.from_pretrained(str(fsdp / "out" / "pretrain_tiny" / "transformer"))
+    theirs = SD3Transformer2DModel.from_pretrained(str(fsdp / "out" / FP32_RUN / "transformer"))
     for key, value in theirs.state_dict().items():
         assert torch.equal(value.float(), weights[key].float()), key
 
@@ -273,20 +284,21 @@ def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs
     """Saves on every step. Killed (both processes and torchrun) as soon as a save's shard folder appears, i.e.
     while the ranks write their shards, the run leaves the last commit whole and loadable; the resumed run ends as
     the uninterrupted one, with the half-written folder gone."""
-    args = RECIPE + ["--max_steps", "6", "--save_interval", "1"] + MODES["fsdp2"][1] + folders(tmp_path)
-    ckpt, metrics_path = str(tmp_path / "ckpt"), str(tmp_path / "out" / "pretrain_tiny_metrics.jsonl")
+    args = RECIPE + MODEL["fp32"] + ["--max_steps", "6", "--save_interval", "1"] + MODES["fsdp2"][1] + \
+        folders(tmp_path)
+    ckpt, metrics_path = str(tmp_path / "ckpt"), str(tmp_path / "out" / f"{FP32_RUN}_metrics.jsonl")
     proc = launch(args, torchrun=2, log_path=tmp_path / "killed.log")
     wait_for_step(proc, metrics_path, 2)  # step 1's save has committed: step 2's is about to start
     deadline = time.time() + 60
-    while not uncommitted(ckpt, "pretrain_tiny_resume") and proc.poll() is None:
+    while not uncommitted(ckpt, f"{FP32_RUN}_resume") and proc.poll() is None:
         assert time.time() < deadline, "no save started"
         time.sleep(0.005)
     kill_torchrun(proc)
-    assert any(name.endswith(".dcp") for name in uncommitted(ckpt, "pretrain_tiny_resume")), "killed after the save"
+    assert any(name.endswith(".dcp") for name in uncommitted(ckpt, f"{FP32_RUN}_resume")), "killed after the save"
     state = whole_resume_state(tmp_path)  # the last commit: its files match the manifest and load
     assert state["step"] >= 1 and leaves(state["model"]) and leaves(state["optimizer"])
     run(args + ["--from_resume", "1"], torchrun=2)
-    assert not uncommitted(str(tmp_path / "ckpt"), "pretrain_tiny_resume")
+    assert not uncommitted(str(tmp_path / "ckpt"), f"{FP32_RUN}_resume")
     whole, resumed = whole_resume_state(legs("fsdp2", 6)), whole_resume_state(tmp_path)
     for key in ("model", "optimizer", "ema", "rng"):
         assert first_difference(whole[key], resumed[key], key) is None, key
@@ -534,7 +546,8 @@ def test_incomplete_shards_are_a_one_line_error(tmp_path, legs, damage):
         shard.unlink()
     else:
         shard.write_bytes(shard.read_bytes()[:1000])
-    result = run(RECIPE + ["--max_steps", "6", "--from_resume", "1"] + folders(tmp_path / "run"), check=False)
+    result = run(RECIPE + MODEL["fp32"] + ["--max_steps", "6", "--from_resume", "1"] + folders(tmp_path / "run"),
+                 check=False)
     expected = "is missing" if damage == "delete" else "has 1000 bytes but its manifest says"
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("error: ") and "__1_0.distcp" in last and expected in last
