@@ -157,15 +157,15 @@ def narrow_tiny(monkeypatch):
                                           "caption_projection_dim": 64})
 
 
-def pretrain_weights(out_dir, prediction="x", steps=2):
-    """A briefly pretrained tiny model at out_dir/pretrain_tiny (what the fine-tune stages start from)."""
+def pretrain_weights(out_dir, prediction="x", steps=2, preset="tiny"):
+    """A briefly pretrained model of `preset` at out_dir/pretrain_<preset> (what the fine-tune stages start from)."""
     with pytest.MonkeyPatch.context() as patch:
         # like trained weights: no zero-initialised gates or output
         patch.setattr(train_pretrain, "SD3Light", lambda config, **kwargs: randomise(SD3Light(config, **kwargs)))
         run_in_process(train_pretrain, ["--num_samples", "8", "--batch_size", "2", "--max_steps", str(steps),
-                                        "--sample_interval", "0", *QUIET, "--prediction", prediction,
-                                        "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")], patch)
-    return os.path.join(str(out_dir), "pretrain_tiny.json")
+                                        "--sample_interval", "0", *QUIET, "--prediction", prediction, "--preset",
+                                        preset, "--out_dir", str(out_dir), "--save_dir", str(out_dir / "ckpt")], patch)
+    return os.path.join(str(out_dir), f"pretrain_{preset}.json")
 
 
 class SignalAt:
@@ -222,13 +222,13 @@ def final_state(run_dir, name, export):
     return state
 
 
-def sft_export(run_dir):
-    stem = str(run_dir / "out" / "sft_tiny")
+def sft_export(run_dir, name="sft_tiny"):
+    stem = str(run_dir / "out" / name)
     return load_safetensors(checkpoint.checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
 
 
-def lora_export(run_dir):
-    return read_lora_file(str(run_dir / "out" / "lora" / "lora_demo_tiny.safetensors"))[0]
+def lora_export(run_dir, name="lora_demo_tiny"):
+    return read_lora_file(str(run_dir / "out" / "lora" / f"{name}.safetensors"))[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------

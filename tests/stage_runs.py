@@ -7,6 +7,9 @@ text encoder, kernels compiled), some 10 s of CPU each.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/stage_runs.py trainer.train_pretrain runs.json
 
+An argument list `--copy SOURCE TARGET` copies run folder SOURCE to TARGET (rank 0, the others waiting until it is
+there): a run after it resumes the copy, in the same launch as the run that wrote SOURCE.
+
 With --captured, torch.compile runs with its "eager" backend (tests/conftest.compiled_as_captured): Dynamo
 captures each graph as inductor would get it, and its kernels are eager ones, not compiled afresh by every rank.
 """
@@ -14,6 +17,7 @@ import functools
 import importlib
 import json
 import os
+import shutil
 import socket
 import sys
 from datetime import timedelta
@@ -33,6 +37,16 @@ def meet_at_a_new_store(agent, number):
     os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
 
 
+def copy_folder(agent, number, source, target):
+    """Run folder `source` copied to `target` by rank 0 (or the only process); the other ranks wait for it."""
+    if agent is None or os.environ["RANK"] == "0":
+        shutil.copytree(source, target)
+        if agent is not None:
+            agent.set(f"stage_runs/{number}/copied", "1")
+    else:
+        agent.get(f"stage_runs/{number}/copied")  # (waits until rank 0 has set it)
+
+
 if __name__ == "__main__":
     if "--captured" in sys.argv:
         import torch
@@ -49,6 +63,9 @@ if __name__ == "__main__":
         agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=timedelta(minutes=5))
     for number, argv in enumerate(runs):
+        if argv[0] == "--copy":
+            copy_folder(agent, number, *argv[1:])
+            continue
         print(f"stage_runs: {sys.argv[1]} {' '.join(argv)}", flush=True)
         if agent is not None:
             meet_at_a_new_store(agent, number)

@@ -33,7 +33,7 @@ from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
 from tests.conftest import alive, children, launch, uncommitted, wait_for_step
-from tests.conftest import lora_export, sft_export
+from tests.conftest import lora_export, pretrain_weights, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
 # a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
@@ -93,29 +93,33 @@ def leg_name(mode, steps, after=None):
 
 
 def run_batch(batch, root):
-    """Run the legs of BATCHES[`batch`] (on MODEL[`batch`]) into folders of `root`: first those from scratch, then the resumed copies. The legs
-    of two processes of each phase run in one torchrun launch, those of one process in this one (run_main tears its
-    process group down, as at a script's end). In the fp32 batch torch.compile (the compiled leg's blocks) runs as
-    captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile the
-    blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch the
-    update stays compiled (eager, its arithmetic costs more than compiling it)."""
-    captured = batch == "fp32"
-    for resumed in (False, True):
-        launched = []
-        for mode, steps, *after in BATCHES[batch]:
-            if bool(after) != resumed:
-                continue
-            folder = root / leg_name(mode, steps, *after)
-            if after:
-                shutil.copytree(root / leg_name(*after[0]), folder)
-            args = RECIPE[1:] + MODEL[batch] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
-            args += ["--from_resume", "1"] if after else []
-            if MODES[mode][0]:
-                launched.append(args)
-            else:
-                run_main(functools.partial(train_pretrain.main, args))
-        if launched:
-            run_many("trainer.train_pretrain", launched, torchrun=2, captured=captured)
+    """Run the legs of BATCHES[`batch`] (on MODEL[`batch`]) into folders of `root`. Those of one process run in
+    this one (run_main tears its process group down, as at a script's end): from scratch first, resumed last. Those
+    of two processes run between, in one torchrun launch: from scratch, then each resumed one after a copy of the
+    folder it resumes (tests/stage_runs.py's --copy). In the fp32 batch torch.compile (the compiled leg's blocks)
+    runs as captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile
+    the blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch
+    the update stays compiled (eager, its arithmetic costs more than compiling it)."""
+    here, launched, last = [], [], []
+    for mode, steps, *after in sorted(BATCHES[batch], key=len):  # (a stable sort: those from scratch first)
+        folder = root / leg_name(mode, steps, *after)
+        args = RECIPE[1:] + MODEL[batch] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
+        copy = [["--copy", str(root / leg_name(*after[0])), str(folder)]] if after else []
+        runs = launched if MODES[mode][0] else last if after else here
+        runs += copy + [args + (["--from_resume", "1"] if after else [])]
+    run_here_in_turn(here)
+    run_many("trainer.train_pretrain", launched, torchrun=2, captured=batch == "fp32")
+    run_here_in_turn(last)
+
+
+def run_here_in_turn(runs):
+    """Run train_pretrain once per argument list of `runs`, in this process; `--copy SOURCE TARGET` copies a
+    folder."""
+    for argv in runs:
+        if argv[0] == "--copy":
+            shutil.copytree(*argv[1:])
+        else:
+            run_main(functools.partial(train_pretrain.main, argv))
 
 
 def run_in(folder):
@@ -357,16 +361,26 @@ def test_compiled_blocks_train_under_fsdp(legs):
     assert [r["sample_ids"] for r in compiled] == [r["sample_ids"] for r in eager[:2]]
 
 
+@pytest.fixture(scope="session")
+def pretrained_small(shared):
+    """Briefly pretrained weights of the 2-block sd3-tiny preset (v-prediction, with a diffusers transformer folder
+    beside them) -> their .json: the fine-tune stages' runs below, 20 processes' worth, at a twentieth of tiny's
+    size (sharding and adapters work alike at any size)."""
+    build = functools.partial(pretrain_weights, prediction="v", preset="sd3-tiny")
+    return str(shared("pretrained_v_sd3-tiny", build) / "pretrain_sd3-tiny.json")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "lora"])
-def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, pretrained_v, stage):
-    base = Path(pretrained_v).parent  # with a diffusers transformer folder beside the weights
+def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, pretrained_small, stage):
+    base = Path(pretrained_small).parent  # with a diffusers transformer folder beside the weights
     script, name, export, data = {
-        "sft": ("trainer/train_full_sft.py", "sft_tiny", sft_export, []),
-        "lora": ("trainer/train_lora.py", "lora_demo_tiny", lora_export, ["--prior_samples", "12"])}[stage]
-    args = [script, "--from_weight", str(base / "pretrain_tiny.json"), "--num_samples", "12", *data, "--batch_size",
-            "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps", "1",
-            "--save_dtype", "fp32"]
+        "sft": ("trainer/train_full_sft.py", "sft_sd3-tiny", sft_export, []),
+        "lora": ("trainer/train_lora.py", "lora_demo_sd3-tiny", lora_export, ["--prior_samples", "12"])}[stage]
+    export = functools.partial(export, name=name)
+    args = [script, "--from_weight", pretrained_small, "--preset", "sd3-tiny", "--num_samples", "12", *data,
+            "--batch_size", "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps",
+            "1", "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
     launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
     if stage == "lora":  # in the same launch: LoKr and DoRA, each with LoRA on the text encoder too
@@ -389,9 +403,9 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     # the file loads in diffusers onto the base transformer and draws what our sampler draws with it
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 
-    lora_path = runs["fsdp2"] / "out" / "lora" / "lora_demo_tiny.safetensors"
-    ours = load_for_sampling(str(base / "pretrain_tiny.json"), str(base), "cpu", lora=str(lora_path))[0].eval()
-    theirs = SD3Transformer2DModel.from_pretrained(str(base / "pretrain_tiny" / "transformer")).eval()
+    lora_path = runs["fsdp2"] / "out" / "lora" / f"{name}.safetensors"
+    ours = load_for_sampling(pretrained_small, str(base), "cpu", lora=str(lora_path))[0].eval()
+    theirs = SD3Transformer2DModel.from_pretrained(str(base / "pretrain_sd3-tiny" / "transformer")).eval()
     lora, metadata = StableDiffusion3Pipeline.lora_state_dict(str(lora_path.parent), weight_name=lora_path.name,
                                                               return_lora_metadata=True)
     theirs.load_lora_adapter(lora, prefix="transformer", metadata=metadata)
@@ -421,7 +435,7 @@ def check_kind_runs(runs, kind, key, name):
     """kind_runs' runs: sharded, the adapters (with `key`) and the text encoder's train as under DDP, gradient norms
     included; stopped at step 3 and resumed (the encoder's adapters whole beside the shards), the run ends bitwise as
     the one in one go."""
-    sharded, ddp = lora_export(runs[f"{kind}_fsdp2"]), lora_export(runs[f"{kind}_ddp2"])
+    sharded, ddp = lora_export(runs[f"{kind}_fsdp2"], name), lora_export(runs[f"{kind}_ddp2"], name)
     assert sharded.keys() == ddp.keys() and any(k.endswith(key) for k in sharded)
     worst = max(((value - ddp[k]).abs().max().item(), k) for k, value in sharded.items())
     assert worst[0] <= 1e-5, (kind, worst)
@@ -434,7 +448,8 @@ def check_kind_runs(runs, kind, key, name):
     assert whole["step"] == 6 and whole["text_optimizer"]["state"] and whole["ema"]
     for part in ("model", "optimizer", "text_optimizer", "ema", "rng", "samples_seen", "epoch", "consumed"):
         assert first_difference(whole[part], resumed[part], part) is None, (kind, part)
-    assert first_difference(lora_export(runs[f"{kind}_6"]), lora_export(runs[f"{kind}_resumed"])) is None, kind
+    exports = [lora_export(runs[f"{kind}_{end}"], name) for end in ("6", "resumed")]
+    assert first_difference(*exports) is None, kind
 
 
 def stage_metrics(folder, name):
