@@ -659,15 +659,15 @@ def test_own_data_with_validation_shards_like_ddp(tmp_path):
         (data / "3_cat" / f"cat{i}.txt").write_text(caption)
         save_png(str(data / "1_misc" / f"misc{i}.png"), noise_image(10 + i))
     save_png(str(data / "3_cat" / "cat0.mask.png"), noise_image(5)[..., 0])
-    args = RECIPE[:1] + RECIPE[3:] + ["--data", str(data), "--caption_prefix", "sks, ", "--random_flip", "0.5",
-                                      "--val_fraction", "0.25", "--val_interval", "1", "--max_steps", "3",
-                                      "--export_single_file"]
+    args = RECIPE[:1] + RECIPE[3:] + MODEL["fp32"] + ["--data", str(data), "--caption_prefix", "sks, ",
+                                                      "--random_flip", "0.5", "--val_fraction", "0.25",
+                                                      "--val_interval", "1", "--max_steps", "3", "--export_single_file"]
     runs = {mode: tmp_path / mode for mode in ("fsdp2", "ddp2")}
     run_many("trainer.train_pretrain", [args[1:] + MODES[mode][1] + folders(folder) for mode, folder in runs.items()])
     sharded, reference = metrics(runs["fsdp2"]), metrics(runs["ddp2"])
     assert [r["sample_ids"] for r in sharded] == [r["sample_ids"] for r in reference]
     assert [r["val_loss"] for r in sharded] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
-    single = {mode: load_safetensors(str(folder / "out" / "pretrain_tiny_single_file.safetensors"))
+    single = {mode: load_safetensors(str(folder / "out" / f"{FP32_RUN}_single_file.safetensors"))
               for mode, folder in runs.items()}
     assert single["fsdp2"].keys() == single["ddp2"].keys()
     for key, value in single["fsdp2"].items():
