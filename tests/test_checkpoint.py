@@ -621,7 +621,9 @@ def free_port():
 
 @pytest.mark.slow
 def test_two_nodes_on_localhost_train_save_once_and_resume(tmp_path):
-    run_args = [SCRIPT, "--num_samples", "16", "--batch_size", "2", "--save_interval", "2", *QUIET]
+    # the 2-block sd3-tiny preset: what crosses the nodes is the same at any size, and its saves are small
+    run_args = [SCRIPT, "--preset", "sd3-tiny", "--num_samples", "16", "--batch_size", "2", "--save_interval", "2",
+                *QUIET]
 
     def folders(node):
         return ["--out_dir", str(tmp_path / node / "out"), "--save_dir", str(tmp_path / node / "ckpt")]
@@ -641,7 +643,7 @@ def test_two_nodes_on_localhost_train_save_once_and_resume(tmp_path):
     node0, node1 = two_nodes([first + folders("node0"), first + folders("node1")], "first")
     assert "2 process(es)" in node0 and node0.count("saved step") == 2
     assert not os.path.exists(tmp_path / "node1")
-    state = load_torch(str(tmp_path / "node0" / "ckpt" / "pretrain_tiny_resume.step00000004.pt"))
+    state = load_torch(str(tmp_path / "node0" / "ckpt" / "pretrain_sd3-tiny_resume.step00000004.pt"))
     assert state["world_size"] == 2 and state["samples_seen"] == 16 and len(state["rng"]) == 2
     # resuming needs a save folder that every node sees: here node 1 does not, and both stop with one line
     second = ["--max_steps", "6", "--from_resume", "1", "--force_resume", "1"]
@@ -653,9 +655,9 @@ def test_two_nodes_on_localhost_train_save_once_and_resume(tmp_path):
     node0, node1 = two_nodes([second + folders("node0")] * 2, "second")
     assert "the schedule now ends at step 6 (it was to end at step 4)" in node0  # a longer run is no recipe change
     assert "at step 4" in node0 and "saved step 6" in node0
-    assert read_manifest(str(tmp_path / "node0" / "out" / "pretrain_tiny"), "weights")["step"] == 6
-    assert files_in(tmp_path / "node0" / "ckpt") == ["pretrain_tiny_resume.json",
-                                                     "pretrain_tiny_resume.step00000006.pt"]
+    assert read_manifest(str(tmp_path / "node0" / "out" / "pretrain_sd3-tiny"), "weights")["step"] == 6
+    assert files_in(tmp_path / "node0" / "ckpt") == ["pretrain_sd3-tiny_resume.json",
+                                                     "pretrain_sd3-tiny_resume.step00000006.pt"]
 
 
 def test_resuming_with_a_longer_schedule_trains_on_and_says_so(tmp_path, monkeypatch):
