@@ -575,7 +575,7 @@ def check_epochs(rows, dataset_size, max_global_batch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("first,second,signum", [(2, 1, signal.SIGTERM), (1, 2, signal.SIGINT)])
-def test_stop_and_resume_on_another_world_size_continues_the_epoch(tmp_path, first, second, signum):
+def test_stop_and_resume_on_another_world_size_continues_the_epoch(tmp_path, capsys, first, second, signum):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     run_args = [SCRIPT, "--num_samples", "20", "--batch_size", "2", "--epochs", "4", "--save_interval", "1000",
                 "--log_sample_ids", "1", *QUIET, "--out_dir", str(out), "--save_dir", str(ckpt)]
@@ -593,7 +593,10 @@ def test_stop_and_resume_on_another_world_size_continues_the_epoch(tmp_path, fir
     stopped_at = read_manifest(str(ckpt / "pretrain_tiny_resume"), "resume")["step"]
     assert f"stopped by {signal.Signals(signum).name} at step {stopped_at}" in text and "Traceback" not in text
     assert 3 <= stopped_at < 4 * 20 // (2 * first)  # it stopped early, at a step boundary
-    resumed = run(run_args + ["--from_resume", "1"], torchrun=second if second > 1 else 0)
+    if second > 1:
+        resumed = run(run_args + ["--from_resume", "1"], torchrun=second)
+    else:  # one process: here, on one thread as a process of its own would compute
+        resumed = run_here(train_pretrain, run_args[1:] + ["--from_resume", "1"], capsys, threads=1)
     text = resumed.stdout + resumed.stderr
     assert f"resuming with {second} process(es) and global batch {2 * second} (saved: {first}, {2 * first})" in text
     rows = [json.loads(line) for line in open(metrics)]
