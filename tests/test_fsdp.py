@@ -95,20 +95,23 @@ def leg_name(mode, steps, after=None):
 def run_batch(batch, root):
     """Run the legs of BATCHES[`batch`] (on MODEL[`batch`]) into folders of `root`. Those of one process run in
     this one (run_main tears its process group down, as at a script's end): from scratch first, resumed last. Those
-    of two processes run between, in one torchrun launch: from scratch, then each resumed one after a copy of the
-    folder it resumes (tests/stage_runs.py's --copy). In the fp32 batch torch.compile (the compiled leg's blocks)
-    runs as captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile
-    the blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch
-    the update stays compiled (eager, its arithmetic costs more than compiling it)."""
-    here, launched, last = [], [], []
-    for mode, steps, *after in sorted(BATCHES[batch], key=len):  # (a stable sort: those from scratch first)
+    of two processes run between, in torchrun launches: from scratch, then each resumed one after a copy of the
+    folder it resumes (tests/stage_runs.py's --copy). The fp32 batch resumes in the same launch (the SIGKILL test
+    resumes its shards in new processes); the 8-bit batch in a launch of its own, in new processes as a user's
+    resume is: no other test resumes 8-bit shards. In the fp32 batch torch.compile (the compiled leg's blocks) runs
+    as captured (conftest.compiled_as_captured: Dynamo's graphs, eager kernels), where inductor would compile the
+    blocks afresh in both ranks (inductor's own code: test_train's compiled pretraining); in the 8-bit batch the
+    update stays compiled (eager, its arithmetic costs more than compiling it)."""
+    here, scratch, resumed, last = [], [], [], []
+    for mode, steps, *after in BATCHES[batch]:
         folder = root / leg_name(mode, steps, *after)
         args = RECIPE[1:] + MODEL[batch] + ["--max_steps", str(steps)] + MODES[mode][1] + folders(folder)
         copy = [["--copy", str(root / leg_name(*after[0])), str(folder)]] if after else []
-        runs = launched if MODES[mode][0] else last if after else here
+        runs = (resumed if after else scratch) if MODES[mode][0] else last if after else here
         runs += copy + [args + (["--from_resume", "1"] if after else [])]
     run_here_in_turn(here)
-    run_many("trainer.train_pretrain", launched, torchrun=2, captured=batch == "fp32")
+    for launched in ([scratch, resumed] if batch == "8bit" else [scratch + resumed]):
+        run_many("trainer.train_pretrain", launched, torchrun=2, captured=batch == "fp32")
     run_here_in_turn(last)
 
 
