@@ -442,7 +442,8 @@ def check_kind_runs(runs, kind, key, name):
     assert sharded.keys() == ddp.keys() and any(k.endswith(key) for k in sharded)
     worst = max(((value - ddp[k]).abs().max().item(), k) for k, value in sharded.items())
     assert worst[0] <= 1e-5, (kind, worst)
-    norms = [[row["grad_norm"] for row in stage_metrics(runs[f"{kind}_{mode}"], name)] for mode in ("fsdp2", "ddp2")]
+    norms = [[row["grad_norm"] for row in metrics(runs[f"{kind}_{mode}"]) if "grad_norm" in row]
+             for mode in ("fsdp2", "ddp2")]
     assert len(norms[0]) == 3 and norms[0] == pytest.approx(norms[1], abs=1e-5), kind  # both kinds' joint norm
     text = {k: v for k, v in sharded.items() if not k.startswith("transformer.")}
     assert text and all(k.startswith("text_encoder.") for k in text)
@@ -453,11 +454,6 @@ def check_kind_runs(runs, kind, key, name):
         assert first_difference(whole[part], resumed[part], part) is None, (kind, part)
     exports = [lora_export(runs[f"{kind}_{end}"], name) for end in ("6", "resumed")]
     assert first_difference(*exports) is None, kind
-
-
-def stage_metrics(folder, name):
-    with open(folder / "out" / f"{name}_metrics.jsonl") as f:
-        return [row for row in map(json.loads, f) if "grad_norm" in row]
 
 
 # ------------------------------------------------------------------------------------------------------------
