@@ -14,6 +14,7 @@ import torch
 
 from eval.plot_metrics import TIMING
 import trainer.train_dpo as train_dpo
+from dataset.training_data import DataSettings
 from dataset.shapes import GRAMMAR_WORDS, HELD_OUT_PAIRS, ShapesDataset
 from eval.eval_geneval import TASKS, all_prompts, clauses_held, ground_truth_image, prompt_set, training_prompts
 from eval.shape_scorer import find_objects
@@ -271,6 +272,21 @@ def test_a_manifest_trains_on_its_good_lines_and_reports_the_rest_in_one_line(tm
                        "1 missing image (line 3); 1 unreadable image (line 4)"]
     assert {c for call in watch.calls for c in call["captions"]} <= good and len(watch.calls) == 3
     assert (tmp_path / "out" / "dpo_tiny.json").is_file()
+
+
+def test_the_grids_draw_a_prompt_file_else_the_pairs_prompts(tmp_path):
+    """--sample_prompts is read by Flow-DPO as by the other stages (it was once passed over for the pairs')."""
+    pairs, good = write_manifest(tmp_path)
+    (tmp_path / "prompts.txt").write_text("a blue square\n\na red star\n")
+    for prompt_file, expected in ((None, None), (str(tmp_path / "prompts.txt"), ["a blue square", "a red star"])):
+        settings = DataSettings(resolution=32, seed=0, val_data=None, val_samples=0, val_interval=0, cache="auto",
+                                cache_dir=str(tmp_path / "cache"), cache_only=False, encode_batch_size=8,
+                                sample_prompts=prompt_file)
+        prompts = preference.preference_data(pairs, None, None, settings, print).prompts
+        if expected is None:  # the pairs' own, spread over the file, and the unconditional
+            assert prompts[-1] == "" and set(prompts[:-1]) <= good and len(prompts) > 2
+        else:
+            assert prompts == expected
 
 
 def test_no_pairs_is_a_one_line_error(tmp_path, start):

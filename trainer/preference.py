@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dataset.preference_pairs import PairPool, PreferencePairs, encode_pairs, side
-from dataset.training_data import StageData, validation_data
+from dataset.training_data import StageData, sample_prompts_for, validation_data
 from eval.eval_geneval import clauses_held, is_correct, training_prompts
 from eval.sampling import sample_images, to_uint8
 from eval.shape_scorer import find_objects
@@ -202,8 +202,9 @@ def draw_round(model, components, specs, seeds, rounds, device):
 
 def preference_data(pairs, rounds, components, settings, log):
     """What Flow-DPO trains on (a StageData): the pairs of the manifest `pairs`, or for 'builtin' a pool the run
-    fills from its own samples (`rounds`: PairRounds; the built-in components only), their grid prompts, and the
-    validation images (`settings`: the stage's DataSettings, --val_data)."""
+    fills from its own samples (`rounds`: PairRounds; the built-in components only), the grids' prompts (a
+    --sample_prompts file's, else the pairs' own), and the validation images (`settings`: the stage's
+    DataSettings, --val_data)."""
     if pairs != "builtin":
         dataset = PreferencePairs(pairs, settings.resolution, log=log)
     elif components.spec["kind"] != "builtin":
@@ -211,7 +212,8 @@ def preference_data(pairs, rounds, components, settings, log):
                         "components: with --base, pass a .jsonl of pairs")
     else:
         dataset = PairPool(rounds.prompts * pairs_per_prompt(rounds.images, rounds.choice), settings.resolution)
-    return StageData(dataset, dataset.sample_prompts(), validation_data(settings, None, log))
+    prompts = sample_prompts_for(dataset, settings.sample_prompts)
+    return StageData(dataset, prompts, validation_data(settings, None, log))
 
 
 def refresh_pool(pool, round_, model, components, info, rounds, log):
