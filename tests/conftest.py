@@ -35,7 +35,8 @@ from model.model_sd3light import PRESETS, SD3Light, SD3LightConfig
 from tests.scripts import ENV, REPO, command, run_in_process
 
 # a call that runs a stage or a script, or pretrain_weights handed to `shared` (which runs it once for all)
-RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_many|run_stage|run_in_process|launch|main)\(|pretrain_weights\b")
+RUNS_A_STAGE = re.compile(r"\b(run|run_here|run_many|run_script_here|run_stage|run_in_process|launch|main)\(|"
+                          r"pretrain_weights\b")
 
 
 def pytest_configure(config):
@@ -107,6 +108,15 @@ def pretrained_v(shared):
 
 
 @pytest.fixture(scope="session")
+def pretrained_small(shared):
+    """Briefly pretrained weights of the 2-block sd3-tiny preset (v-prediction, with a diffusers transformer folder
+    beside them) -> their .json: for the runs of several processes (sharding, adapters, distillation, DPO work
+    alike at any size), at a twentieth of tiny's size."""
+    build = functools.partial(pretrain_weights, prediction="v", preset="sd3-tiny")
+    return str(shared("pretrained_v_sd3-tiny", build) / "pretrain_sd3-tiny.json")
+
+
+@pytest.fixture(scope="session")
 def sd3(shared):
     """A tiny SD3 pipeline folder (tests/tiny_sd3.py, seed 0) -> its path, made once for the whole run."""
     from tests.tiny_sd3 import build_folder
@@ -145,7 +155,11 @@ def metric_steps(path):
 # From test_finetune.py's tests and the others'
 
 
-QUIET = ["--warmup_steps", "2", "--sample_steps", "1"]
+# the sample grids of one prompt (--sample_prompts): the built-in data's 16 cost the tiny model 0.5 s a grid, more
+# than the few steps of a test's run; what grids draw is checked where it is the subject (the built-in prompts in
+# test_dataset.py, grids in parts in test_block_swap.py, eval/eval_sample.py's in test_eval_sample.py)
+GRID = ["--sample_prompts", os.path.join(REPO, "tests", "grid_prompt.txt")]
+QUIET = ["--warmup_steps", "2", "--sample_steps", "1", *GRID]
 
 
 def narrow_tiny(monkeypatch):

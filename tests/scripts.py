@@ -1,5 +1,6 @@
 """Running the project's real scripts from tests: one thread per process, from the repo root; or a stage script's
 main() in the test's own process, with its data replaced or watched and its log collected."""
+import functools
 import json
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import tempfile
 
 import dataset.training_data
+from model.errors import run_main
 from trainer.mechanics.metrics import MetricsLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +45,21 @@ def run_many(stage, runs, torchrun=2, captured=False):
         return run(["tests/stage_runs.py", stage, path] + (["--captured"] if captured else []), torchrun=torchrun)
 
 
+def run_outputs(stdout):
+    """What each run of a run_many launch printed, in its order: from the first line that starts it (every process
+    prints "stage_runs: <stage> <arguments>" as it starts a run) to the first that starts the next. A process's
+    last lines of a run may fall after another process's start of the next; what a run prints before its first
+    step falls in its own part (no process starts the next run before every process has trained this one)."""
+    parts, started = [], set()
+    for line in stdout.splitlines(keepends=True):
+        if line.startswith("stage_runs: ") and line not in started:
+            started.add(line)
+            parts.append("")
+        elif parts:
+            parts[-1] += line
+    return parts
+
+
 def run_here(module, argv, capsys, threads=None):
     """Run script `module`'s main(argv) in this process, where a test needs no process of its own (no signal,
     kill, torchrun or exit code to see): what `run` returns, from what it printed, without the seconds of imports
@@ -59,6 +76,21 @@ def run_here(module, argv, capsys, threads=None):
         torch.set_num_threads(before)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(argv, 0, out, err)
+
+
+def run_script_here(module, argv, capsys):
+    """Script `module`'s command line `argv` run in this process as its `__main__` runs it (model.errors.run_main:
+    a UserError one line on stderr, exit code 2; argparse's errors exit 2 too) -> what `run` returns: the exit code
+    and what it printed. For the one-line errors of bad input, without a process start each; every script keeps
+    one such test in a process of its own, where a warning printed at import time would show too."""
+    capsys.readouterr()  # what was printed before is not the script's
+    try:
+        run_main(functools.partial(module.main, list(argv)))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err)
 
 
 def run_in_process(module, argv, monkeypatch, build_dataset=None):

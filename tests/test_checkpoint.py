@@ -30,12 +30,13 @@ from trainer.mechanics import signals
 from trainer.mechanics.signals import StopSignal
 from trainer.trainer_utils import lr_at
 
-from tests.scripts import REPO, run, run_here, run_in_process, run_many
-from tests.conftest import metric_steps, narrow_tiny
+from tests.scripts import REPO, run, run_here, run_in_process, run_many, run_script_here
+from tests.conftest import GRID, metric_steps, narrow_tiny
 from tests.conftest import alive, children, family, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
-QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1"]
+RUN_SMALL = "pretrain_sd3-tiny"  # what a run of --preset sd3-tiny is called
+QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1", *GRID]
 
 
 def parse(argv=()):
@@ -253,18 +254,21 @@ def one_line_error(result):
 
 @pytest.mark.slow
 def test_mismatched_or_foreign_resume_files_are_one_line_errors(tmp_path, capsys):
+    """Run here as the script's __main__ runs it (test_train.py's bad inputs run in processes of their own)."""
     out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
     dirs = ["--out_dir", out, "--save_dir", ckpt]
     run_here(train_pretrain, ["--num_samples", "16", "--batch_size", "4", "--max_steps", "2", *QUIET, *dirs], capsys)
     resume_json = os.path.join(ckpt, "pretrain_tiny_resume.json")
-    error = one_line_error(run([SCRIPT, "--preset", "small", "--from_resume", resume_json, "--num_samples", "16",
-                                "--batch_size", "4", *dirs], check=False))
+    error = one_line_error(run_script_here(train_pretrain, ["--preset", "small", "--from_resume", resume_json,
+                                                             "--num_samples", "16", "--batch_size", "4", *dirs],
+                                           capsys))
     assert "--preset tiny (saved) vs small (now)" in error
-    error = one_line_error(run([SCRIPT, "--from_resume", os.path.join(out, "pretrain_tiny.json"), *dirs],
-                               check=False))
+    error = one_line_error(run_script_here(train_pretrain, ["--from_resume", os.path.join(out, "pretrain_tiny.json"),
+                                                             *dirs], capsys))
     assert "is a weights checkpoint, not a resume checkpoint" in error
-    error = one_line_error(run([SCRIPT, "--from_resume", "1", "--num_samples", "16", "--batch_size", "4",
-                                "--max_steps", "2", *QUIET, "--learning_rate", "2e-3", *dirs], check=False))
+    error = one_line_error(run_script_here(train_pretrain, ["--from_resume", "1", "--num_samples", "16", "--batch_size",
+                                                             "4", "--max_steps", "2", *QUIET, "--learning_rate", "2e-3",
+                                                             *dirs], capsys))
     assert "--learning_rate 0.001 (saved) vs 0.002 (now)" in error and "--force_resume 1" in error
     # a resume file holding a pickled object (here an argparse.Namespace) is refused, even with a valid manifest
     pickled = os.path.join(ckpt, "pretrain_tiny_resume.step00000002.pt")
@@ -272,7 +276,8 @@ def test_mismatched_or_foreign_resume_files_are_one_line_errors(tmp_path, capsys
     manifest = json.load(open(resume_json))
     manifest["files"] = {os.path.basename(pickled): {"bytes": os.path.getsize(pickled), "sha256": sha256_of(pickled)}}
     json.dump(manifest, open(resume_json, "w"))
-    error = one_line_error(run([SCRIPT, "--from_resume", "1", "--num_samples", "16", *dirs], check=False))
+    error = one_line_error(run_script_here(train_pretrain, ["--from_resume", "1", "--num_samples", "16", *dirs],
+                                           capsys))
     assert "cannot read" in error and "Traceback" not in error
 
 
@@ -306,13 +311,14 @@ def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0", recipe=())
         return run_in_process(train_pretrain, argv, patch, build_dataset=lambda *args, **kwargs: dataset)
 
 
-def final_state(tmp_path):
-    ckpt = str(tmp_path / "ckpt" / "pretrain_tiny_resume")
+def final_state(tmp_path, name="pretrain_tiny"):
+    """What run `name` in folder `tmp_path` ended with: its resume checkpoint, its exported weights, its rows."""
+    ckpt = str(tmp_path / "ckpt" / f"{name}_resume")
     state = load_torch(checkpoint.checkpoint_file(ckpt, read_manifest(ckpt, "resume"), ".pt"))
-    weights = str(tmp_path / "out" / "pretrain_tiny")
+    weights = str(tmp_path / "out" / name)
     state["weights"] = load_safetensors(checkpoint.checkpoint_file(weights, read_manifest(weights, "weights"),
                                                                    ".safetensors"))
-    with open(tmp_path / "out" / "pretrain_tiny_metrics.jsonl") as f:
+    with open(tmp_path / "out" / f"{name}_metrics.jsonl") as f:
         state["logged"] = [{k: row[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_seen")}
                            for row in map(json.loads, f)]
     return state
@@ -514,9 +520,11 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
     """SIGTERM or SIGINT to a run's whole process group, as Ctrl-C, `timeout`, `kill -- -PGID` and schedulers
     send it: its data loader workers (2 a process) get it too and leave stopping to the trainer, which finishes
     the step, saves and exits 0 on every rank; no worker outlives it; the resumed run ends bitwise where the
-    uninterrupted one does. Under torchrun the agent gets the signal too and passes it on."""
-    run_args = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--max_steps", "10", "--save_interval", "1000",
-                "--ema_decay", "0.9", "--num_workers", "2", *QUIET]
+    uninterrupted one does. Under torchrun the agent gets the signal too and passes it on. The 2-block sd3-tiny
+    preset: what a stop does is the same at any size, and its steps and saves are cheap; 30 steps, for the signal
+    sent after step 3 to arrive well before the end."""
+    run_args = [SCRIPT, "--preset", "sd3-tiny", "--num_samples", "32", "--batch_size", "2", "--max_steps", "30",
+                "--save_interval", "1000", "--ema_decay", "0.9", "--num_workers", "2", *QUIET]
 
     def dirs(name):
         return ["--out_dir", str(tmp_path / name / "out"), "--save_dir", str(tmp_path / name / "ckpt")]
@@ -526,7 +534,7 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
         torchrun = ["--standalone", "--log-dir", str(tmp_path / f"{signum.name}-ranks"), "--redirects", "3"]
         proc = launch(run_args + dirs(signum.name), torchrun=processes if processes > 1 else 0, log_path=log,
                       extra=torchrun if processes > 1 else ())
-        wait_for_step(proc, str(tmp_path / signum.name / "out" / "pretrain_tiny_metrics.jsonl"), 3)
+        wait_for_step(proc, str(tmp_path / signum.name / "out" / f"{RUN_SMALL}_metrics.jsonl"), 3)
         started = family(proc.pid)
         assert len(started) >= 3 * processes  # each trainer and its 2 workers (and torchrun)
         for group in {os.getpgid(pid) for pid in started}:  # torchrun starts each rank in a group of its own
@@ -541,9 +549,9 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
             text = outputs[0]
         else:
             assert code == 0, text[-3000:]
-        stopped_at = read_manifest(str(tmp_path / signum.name / "ckpt" / "pretrain_tiny_resume"), "resume")["step"]
+        stopped_at = read_manifest(str(tmp_path / signum.name / "ckpt" / f"{RUN_SMALL}_resume"), "resume")["step"]
         assert f"stopped by {signum.name} at step {stopped_at}, checkpoint saved" in text and "Traceback" not in text
-        assert 3 <= stopped_at < 10
+        assert 3 <= stopped_at < 30
         deadline = time.time() + 15
         while any(alive(pid) for pid in started) and time.time() < deadline:
             time.sleep(0.1)
@@ -554,9 +562,9 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
     else:
         for argv in [run_args[1:] + dirs("whole")] + resumes:
             run_here(train_pretrain, argv, capsys, threads=1)
-    whole = final_state(tmp_path / "whole")
+    whole = final_state(tmp_path / "whole", RUN_SMALL)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        resumed = final_state(tmp_path / signum.name)
+        resumed = final_state(tmp_path / signum.name, RUN_SMALL)
         for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
             assert first_difference(whole[key], resumed[key], key) is None, (signum.name, key)
         assert whole["logged"] == resumed["logged"]

@@ -65,23 +65,24 @@ def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
     assert compiler["stats"]["unique_graphs"] >= 3  # a block, the dual-attention one, the last: compiled
 
 
-def test_every_fine_tune_stage_trains_compiled(tmp_path, pretrained, monkeypatch):
+def test_every_fine_tune_stage_trains_compiled(tmp_path, pretrained_small, monkeypatch):
     """--compile 1 in LoRA, the full fine-tune, Flow-DPO and distillation: each block through Dynamo's capture, run
-    eagerly (conftest.compiled_as_captured)."""
+    eagerly (conftest.compiled_as_captured). On the 2-block sd3-tiny preset: Dynamo captures each block of a
+    model afresh, and a block is captured alike at any size."""
     compiled = compiled_as_captured(monkeypatch)
     monkeypatch.setattr(preference, "score_images", brightness_scores)
     lora = ["--num_samples", "8", "--prior_samples", "8", "--batch_size", "2", *QUIET]
-    runs = [(train_lora, "lora_demo_tiny", "loss", lora), (train_full_sft, "sft_tiny", "loss",
-                                                           ["--num_samples", "8", "--batch_size", "2", *QUIET]),
-            (train_dpo, "lora_dpo_tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "2", "--pair_images", "2",
-                                                 "--pair_sample_steps", "2", "--lora_rank", "4", *QUIET]),
-            (train_distill, "distill_tiny", "fake_score", ["--gen_steps", "2", "--batch_size", "2", "--num_samples",
-                                                           "8", "--warmup_steps", "2"])]
+    runs = [(train_lora, "lora_demo_sd3-tiny", "loss", lora),
+            (train_full_sft, "sft_sd3-tiny", "loss", ["--num_samples", "8", "--batch_size", "2", *QUIET]),
+            (train_dpo, "lora_dpo_sd3-tiny", "dpo", ["--batch_size", "2", "--pair_prompts", "2", "--pair_images",
+                                                     "2", "--pair_sample_steps", "2", "--lora_rank", "4", *QUIET]),
+            (train_distill, "distill_sd3-tiny", "fake_score", ["--gen_steps", "2", "--batch_size", "2",
+                                                               "--num_samples", "8", "--warmup_steps", "2"])]
     for module, name, key, extra in runs:
         out = tmp_path / name
-        run_in_process(module, ["--from_weight", pretrained, *extra, "--max_steps", "1", "--sample_interval", "0",
-                                "--compile", "1", "--out_dir", str(out), "--save_dir", str(out), "--cache_dir",
-                                str(tmp_path / "cache")], monkeypatch)
+        run_in_process(module, ["--from_weight", pretrained_small, "--preset", "sd3-tiny", *extra, "--max_steps",
+                                "1", "--sample_interval", "0", "--compile", "1", "--out_dir", str(out), "--save_dir",
+                                str(out), "--cache_dir", str(tmp_path / "cache")], monkeypatch)
         assert len(losses(out / f"{name}_metrics.jsonl", key)) == 1, name
     assert compiled["stats"]["unique_graphs"] >= 4
 

@@ -20,12 +20,12 @@ from trainer.distillation import DistillRecipe, Networks, dmd_loss, generator_si
 
 import eval.eval_sample as eval_sample
 import trainer.train_lora as train_lora
-from tests.scripts import run, run_here, run_many
+from tests.scripts import run, run_here, run_many, run_script_here
 from tests.conftest import run_stage
-from tests.conftest import dirs
+from tests.conftest import GRID, dirs
 
 FAST = ["--warmup_steps", "2", "--gen_steps", "2", "--gen_update_ratio", "2", "--batch_size", "2",
-        "--num_samples", "16", "--sample_interval", "0"]
+        "--num_samples", "16", "--sample_interval", "0", *GRID]
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +179,9 @@ def test_the_export_samples_in_the_generators_steps_without_being_told(tmp_path,
     (["--gen_steps", "0"], "argument --gen_steps: must be a whole number >= 1, got 0"),
     (["--guidance_interval", "0.6", "0.4"], "--guidance_interval 0.6 0.4 is empty: LOW must be below HIGH"),
 ])
-def test_bad_settings_are_one_line_errors(tmp_path, teacher, bad, message):
-    result = run(["trainer/train_distill.py", *argv(tmp_path, teacher, *bad)], check=False)
+def test_bad_settings_are_one_line_errors(tmp_path, teacher, bad, message, capsys):
+    """Run here as the script's __main__ runs it (a LoRA file as the teacher, below, in a process of its own)."""
+    result = run_script_here(train_distill, argv(tmp_path, teacher, *bad), capsys)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
@@ -195,13 +196,15 @@ def test_a_lora_file_as_teacher_is_a_one_line_error(tmp_path, teacher, capsys):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_two_processes_shard_like_ddp(tmp_path, teacher):
-    modes = ("ddp", "fsdp")
-    run_many("trainer.train_distill", [argv(tmp_path / mode, teacher, "--max_steps", "4", "--save_dtype", "fp32",
-                                            "--fsdp", str(int(mode == "fsdp"))) for mode in modes])
+def test_two_processes_shard_like_ddp(tmp_path, pretrained_small):
+    """On the 2-block sd3-tiny preset: sharding the three networks works alike at any size."""
+    modes, teacher = ("ddp", "fsdp"), pretrained_small
+    run_many("trainer.train_distill", [argv(tmp_path / mode, teacher, "--preset", "sd3-tiny", "--max_steps", "4",
+                                            "--save_dtype", "fp32", "--fsdp", str(int(mode == "fsdp")))
+                                       for mode in modes])
     exports = {}
     for mode in modes:
-        stem = str(tmp_path / mode / "out" / "distill_tiny")
+        stem = str(tmp_path / mode / "out" / "distill_sd3-tiny")
         exports[mode] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
     for key, value in exports["ddp"].items():
         assert torch.allclose(value, exports["fsdp"][key], atol=1e-5), key

@@ -25,11 +25,11 @@ from trainer import preference
 from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
 
 from tests.dpo_stand_in import brightness_scores
-from tests.scripts import run, run_here, run_in_process, run_many
-from tests.conftest import dirs, shape_pairs
+from tests.scripts import run, run_here, run_in_process, run_many, run_script_here
+from tests.conftest import GRID, dirs, shape_pairs
 
 FAST = ["--batch_size", "2", "--pair_prompts", "6", "--pair_images", "3", "--pair_refresh", "2",
-        "--pair_sample_steps", "2", "--warmup_steps", "2", "--sample_steps", "1"]
+        "--pair_sample_steps", "2", "--warmup_steps", "2", "--sample_steps", "1", *GRID]
 
 
 @pytest.fixture(scope="module")
@@ -220,8 +220,9 @@ def test_with_adapters_only_they_train_against_the_adapters_off(tmp_path, start,
     assert any(m.startswith(f"policy {ADAPTER_KINDS[adapter]} rank 4 on ") for m in messages)
 
 
-def test_an_adapter_kind_without_a_rank_is_a_one_line_error(tmp_path, start):
-    result = run(["trainer/train_dpo.py", *argv(tmp_path, start), "--adapter", "lokr"], check=False)
+def test_an_adapter_kind_without_a_rank_is_a_one_line_error(tmp_path, start, capsys):
+    """Run here as the script's __main__ runs it (no usable pairs, below, in a process of its own)."""
+    result = run_script_here(train_dpo, [*argv(tmp_path, start), "--adapter", "lokr"], capsys)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: --adapter lokr trains adapters: give their --lora_rank too (0 tunes all weights) (see --help)"]
 
@@ -297,27 +298,28 @@ def test_no_pairs_is_a_one_line_error(tmp_path, start):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_no_builtin_pairs_is_a_one_line_error(tmp_path, start):
+def test_no_builtin_pairs_is_a_one_line_error(tmp_path, start, capsys):
     # the start draws no shapes yet: the shape scorer finds all of a prompt's images alike
-    result = run(["trainer/train_dpo.py", *argv(tmp_path, start, "--max_steps", "2")], check=False)
+    result = run_script_here(train_dpo, argv(tmp_path, start, "--max_steps", "2"), capsys)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "no preference pairs: all 3 images of each of the 6 prompts scored alike" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_two_processes_draw_the_same_pairs_and_shard_like_ddp(tmp_path, start):
+def test_two_processes_draw_the_same_pairs_and_shard_like_ddp(tmp_path, pretrained_small):
     """--dpo_beta 1: the loss in its smooth range, where the two modes' rounding stays rounding (at the default
     1000, its steep sigmoid and AdamW turned DDP's and FSDP's last-bit differences into 1.3e-5 of weight after
-    three steps on an AVX2 CPU)."""
-    modes = ("ddp", "fsdp")
-    run_many("tests.dpo_stand_in", [argv(tmp_path / mode, start, "--max_steps", "3", "--save_dtype", "fp32",
-                                         "--dpo_beta", "1", "--fsdp", str(int(mode == "fsdp"))) for mode in modes])
+    three steps on an AVX2 CPU). On the 2-block sd3-tiny preset: pairs and sharding work alike at any size."""
+    modes, start = ("ddp", "fsdp"), pretrained_small
+    run_many("tests.dpo_stand_in", [argv(tmp_path / mode, start, "--preset", "sd3-tiny", "--max_steps", "3",
+                                         "--save_dtype", "fp32", "--dpo_beta", "1", "--fsdp", str(int(mode == "fsdp")))
+                                    for mode in modes])
     exports = {}
     for mode in modes:
-        resume_stem = str(tmp_path / mode / "ckpt" / "dpo_tiny_resume")
+        resume_stem = str(tmp_path / mode / "ckpt" / "dpo_sd3-tiny_resume")
         state = load_torch(checkpoint_file(resume_stem, read_manifest(resume_stem, "resume"), ".pt"))
         assert state["world_size"] == 2 and state["step"] == 3 and state["pairs"]["round"] == 1
-        stem = str(tmp_path / mode / "out" / "dpo_tiny")
+        stem = str(tmp_path / mode / "out" / "dpo_sd3-tiny")
         exports[mode] = load_safetensors(checkpoint_file(stem, read_manifest(stem, "weights"), ".safetensors"))
     for key, value in exports["ddp"].items():
         assert torch.allclose(value, exports["fsdp"][key], atol=1e-5), key

@@ -33,12 +33,12 @@ from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
 from tests.conftest import alive, children, launch, uncommitted, wait_for_step
-from tests.conftest import lora_export, pretrain_weights, sft_export
+from tests.conftest import GRID, lora_export, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
 # a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
 RECIPE = [SCRIPT, "--num_samples", "32", "--batch_size", "2", "--warmup_steps", "0", "--min_lr_ratio", "1",
-          "--ema_decay", "0.9", "--prediction", "v", "--sample_interval", "0", "--sample_steps", "1",
+          "--ema_decay", "0.9", "--prediction", "v", "--sample_interval", "0", "--sample_steps", "1", *GRID,
           "--save_dtype", "fp32", "--save_interval", "100", "--log_sample_ids", "1"]
 MODES = {"fsdp2": (2, ["--fsdp", "1", "--gradient_checkpointing", "1"]), "fsdp1": (0, ["--fsdp", "1"]),
          "ddp2": (2, []), "single": (0, []), "hsdp2": (2, ["--fsdp", "1", "--fsdp_shard_size", "1"]),
@@ -364,15 +364,6 @@ def test_compiled_blocks_train_under_fsdp(legs):
     assert [r["sample_ids"] for r in compiled] == [r["sample_ids"] for r in eager[:2]]
 
 
-@pytest.fixture(scope="session")
-def pretrained_small(shared):
-    """Briefly pretrained weights of the 2-block sd3-tiny preset (v-prediction, with a diffusers transformer folder
-    beside them) -> their .json: the fine-tune stages' runs below, 20 processes' worth, at a twentieth of tiny's
-    size (sharding and adapters work alike at any size)."""
-    build = functools.partial(pretrain_weights, prediction="v", preset="sd3-tiny")
-    return str(shared("pretrained_v_sd3-tiny", build) / "pretrain_sd3-tiny.json")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["sft", "lora"])
 def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_path_factory, pretrained_small, stage):
@@ -383,7 +374,7 @@ def test_fine_tune_stages_shard_like_ddp_and_lora_files_load_in_diffusers(tmp_pa
     export = functools.partial(export, name=name)
     args = [script, "--from_weight", pretrained_small, "--preset", "sd3-tiny", "--num_samples", "12", *data,
             "--batch_size", "2", "--max_steps", "3", "--ema_decay", "0", "--sample_interval", "0", "--sample_steps",
-            "1", "--save_dtype", "fp32"]
+            "1", *GRID, "--save_dtype", "fp32"]
     runs = {mode: tmp_path_factory.mktemp(mode) for mode in ("fsdp2", "ddp2")}
     launched = [args[1:] + MODES[mode][1] + folders(runs[mode]) for mode in runs]
     if stage == "lora":  # in the same launch: LoKr and DoRA, each with LoRA on the text encoder too

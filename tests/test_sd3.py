@@ -23,13 +23,13 @@ from model.weights import load_weights
 import eval.eval_sample as eval_sample
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
-from tests.scripts import run, run_here, run_in_process
+from tests.scripts import run, run_here, run_in_process, run_script_here
 from tests.conftest import SignalAt, final_state
 from tests.tiny_sd3 import build_folder
-from tests.conftest import diffusers_image, dirs
+from tests.conftest import GRID, diffusers_image, dirs
 
 FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
-        "--preset", "sd3-tiny", "--resolution", "32"]
+        "--preset", "sd3-tiny", "--resolution", "32", *GRID]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,8 @@ def test_sft_and_lora_start_from_the_base_transformer_and_the_lora_loads_in_diff
 
 
 @pytest.mark.slow
-def test_a_bad_base_folder_is_a_one_line_error(tmp_path, sd3):
+def test_a_bad_base_folder_is_a_one_line_error(tmp_path, sd3, capsys):
+    """Pretraining's run here as its __main__ runs it; the full fine-tune's in a process of its own."""
     broken = tmp_path / "no-vae"
     os.makedirs(broken)
     for part in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"):
@@ -125,7 +126,7 @@ def test_a_bad_base_folder_is_a_one_line_error(tmp_path, sd3):
         (["--base", str(tmp_path / "nowhere"), "--preset", "sd3-tiny"], "is not a folder"),
     ]
     for extra, expected in cases:
-        result = run(["trainer/train_pretrain.py", *extra, *dirs(tmp_path)], check=False)
+        result = run_script_here(train_pretrain, [*extra, *dirs(tmp_path)], capsys)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], result.stderr
     result = run(["trainer/train_full_sft.py", "--from_weight", "base", *dirs(tmp_path)], check=False)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import trainer.train_pretrain as train_pretrain
 import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
 from model.checkpoint import first_difference, read_manifest
@@ -16,7 +17,7 @@ from model.model_sd3light import SD3Light, SD3LightConfig
 from model.token_routing import TokenRoute, TokenRouting
 from model.rectified_flow import FlowRecipe, flow_matching_loss
 from tests.conftest import CONFIGS, QUIET, final_state, inputs, lora_export, randomise, run_stage, sft_export
-from tests.scripts import run
+from tests.scripts import run_script_here
 from tests.test_model_sd3light import _math_attention
 
 
@@ -112,15 +113,14 @@ def test_a_route_reaches_the_gpu_without_making_the_host_wait(monkeypatch):
     assert calls == ["pin", ((torch.device("cuda"),), {"non_blocking": True})]
 
 
-def test_bad_routing_values_are_one_line_each(tmp_path):
-    common = ["trainer/train_pretrain.py", "--max_steps", "1", "--out_dir", str(tmp_path), "--save_dir",
-              str(tmp_path)]
+def test_bad_routing_values_are_one_line_each(tmp_path, capsys):
+    common = ["--max_steps", "1", "--out_dir", str(tmp_path), "--save_dir", str(tmp_path)]
     for extra, said in ((["--route_ratio", "1"], "--route_ratio: must be a number from 0 up to (not including) 1"),
                         (["--route_ratio", "0.5", "--route_first", "4", "--route_last", "1"],
                          "error: --route_first 4 and --route_last 1 do not name blocks first <= last of this "
                          "model's 0..5"),
                         (["--route_ratio", "0.5", "--route_last", "6"], "--route_last 6 do not name blocks")):
-        result = run(common + extra, check=False)
+        result = run_script_here(train_pretrain, common + extra, capsys)
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and said in result.stderr
         assert len(result.stderr.strip().splitlines()) <= 2  # argparse's usage line, then the error

@@ -22,18 +22,27 @@ from trainer.trainer_utils import lr_at
 
 import eval.eval_loss as eval_loss
 import eval.eval_sample as eval_sample
-from tests.scripts import run, run_here, run_in_process
-from tests.conftest import metric_steps, narrow_tiny
+from tests.scripts import run, run_here, run_in_process, run_many, run_outputs
+from tests.conftest import GRID, metric_steps, narrow_tiny
 
 SMALL_RUN = ["--num_samples", "64", "--batch_size", "4", "--warmup_steps", "2", "--save_interval", "2",
-             "--sample_interval", "0", "--sample_steps", "2"]
+             "--sample_interval", "0", "--sample_steps", "2", *GRID]
 
 
 @pytest.mark.slow
 def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
-    out, ckpt = str(tmp_path / "out"), str(tmp_path / "ckpt")
-    common = ["trainer/train_pretrain.py", *SMALL_RUN, "--out_dir", out, "--save_dir", ckpt]
-    run(common + ["--max_steps", "4", "--ema_decay", "0.9"], torchrun=2)
+    """One torchrun launch: a run of 4 steps, then a copy of its folders resumed to 6 steps (the first run's
+    folders keep what it left, to check here)."""
+    def folders(name):
+        return ["--out_dir", str(tmp_path / name / "out"), "--save_dir", str(tmp_path / name / "ckpt")]
+
+    # resumed to run longer (--force_resume is no longer needed for that, and changes nothing here)
+    result = run_many("trainer.train_pretrain", [
+        SMALL_RUN + folders("first") + ["--max_steps", "4", "--ema_decay", "0.9"],
+        ["--copy", str(tmp_path / "first"), str(tmp_path / "resumed")],
+        SMALL_RUN + folders("resumed") + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1",
+                                          "--force_resume", "1"]])
+    out, ckpt = str(tmp_path / "first" / "out"), str(tmp_path / "first" / "ckpt")
     for name in ("pretrain_tiny.json", "pretrain_tiny.step00000004.safetensors",
                  "pretrain_tiny.step00000004.components.safetensors", "pretrain_tiny_metrics.jsonl",
                  "samples/pretrain_tiny_step000004.png"):
@@ -46,10 +55,8 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
     assert record["step"] == 4 and record["transformer"]["num_layers"] == 6 and record["ema"]
     assert record["prediction"] == "x"  # the default; sampling and held-out loss read it from here
 
-    # resumed to run longer (--force_resume is no longer needed for that, and changes nothing here)
-    resumed = run(common + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1", "--force_resume", "1"],
-                  torchrun=2)
-    assert "at step 4" in resumed.stdout + resumed.stderr
+    out, ckpt = str(tmp_path / "resumed" / "out"), str(tmp_path / "resumed" / "ckpt")
+    assert "at step 4" in run_outputs(result.stdout)[1]
     assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
     assert json.load(open(os.path.join(ckpt, "pretrain_tiny_resume.json")))["step"] == 6
     assert sorted(os.listdir(ckpt)) == ["pretrain_tiny_resume.json", "pretrain_tiny_resume.step00000006.pt"]
@@ -70,7 +77,7 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
     assert len(losses) == 9 and all(0 < v < 10 for v in losses.values())
 
     # a fresh run (no --from_resume) into the same folders starts its own metrics file
-    run_here(train_pretrain, common[1:] + ["--max_steps", "2"], capsys)
+    run_here(train_pretrain, SMALL_RUN + folders("resumed") + ["--max_steps", "2"], capsys)
     assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2]
 
 
