@@ -46,15 +46,18 @@ def run_many(stage, runs, torchrun=2, captured=False):
 
 
 def run_outputs(stdout):
-    """What each run of a run_many launch printed, in its order: from the first line that starts it (every process
-    prints "stage_runs: <stage> <arguments>" as it starts a run) to the first that starts the next. A process's
-    last lines of a run may fall after another process's start of the next; what a run prints before its first
-    step falls in its own part (no process starts the next run before every process has trained this one)."""
-    parts, started = [], set()
+    """What each run of a run_many launch printed, in its order (a copy prints nothing): from the first line that
+    starts it (every process prints "stage_runs: <stage> <arguments>" as it starts a run; the other processes'
+    lines of the same run are left out) to the first that starts the next. A process's last lines of a run may
+    fall after another process's start of the next, so an assertion can only miss them, never find another run's;
+    what a run prints before its first step falls in its own part (no process starts the next run before every
+    process has trained this one). Two runs of the same arguments one after the other read as one."""
+    parts, current = [], None
     for line in stdout.splitlines(keepends=True):
-        if line.startswith("stage_runs: ") and line not in started:
-            started.add(line)
-            parts.append("")
+        if line.startswith("stage_runs: "):
+            if line != current:
+                current = line
+                parts.append("")
         elif parts:
             parts[-1] += line
     return parts
@@ -81,14 +84,17 @@ def run_here(module, argv, capsys, threads=None):
 def run_script_here(module, argv, capsys):
     """Script `module`'s command line `argv` run in this process as its `__main__` runs it (model.errors.run_main:
     a UserError one line on stderr, exit code 2; argparse's errors exit 2 too) -> what `run` returns: the exit code
-    and what it printed. For the one-line errors of bad input, without a process start each; every script keeps
-    one such test in a process of its own, where a warning printed at import time would show too."""
+    and what it printed. For the one-line errors of bad input, without a process start each. What only a process
+    of its own would show is not seen here: a warning (pytest collects them), a write to the file descriptor
+    itself, a warning printed at import; every script keeps one such test in a process of its own."""
     capsys.readouterr()  # what was printed before is not the script's
     try:
         run_main(functools.partial(module.main, list(argv)))
         code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+    except SystemExit as e:  # as the interpreter exits: None is 0, a message is printed and is 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
     out, err = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, out, err)
 

@@ -28,7 +28,7 @@ from trainer import networks
 from trainer.mechanics.distributed import DistInfo
 from trainer.networks import start_weights_source
 
-from tests.scripts import run_here, run_in_process, run_many, run_outputs
+from tests.scripts import run, run_here, run_in_process
 from tests.conftest import GRID, final_state
 
 SMALL = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--preset", "sd3-tiny", "--resolution", "32",
@@ -276,22 +276,19 @@ def test_the_estimate_counts_what_each_network_holds():
 
 
 @pytest.mark.slow
-def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3):
+@pytest.mark.parametrize("mode", [["--frozen_dtype", "int8"], ["--frozen_dtype", "bf16", "--fsdp", "1"]])
+def test_a_lora_on_a_bf16_or_int8_base_trains_on_two_processes(tmp_path, sd3, mode):
     """DDP leaves the frozen base alone (int8 weights cannot be broadcast); FSDP shards a bf16 base beside fp32
-    adapters. Both train the adapters and write a file whose adapters moved. Both runs share one torchrun launch."""
+    adapters. Both train the adapters and write a file whose adapters moved. Each launches the script itself under
+    torchrun, as a user does (the other LoRA runs of two processes go through tests/stage_runs.py)."""
     from model.model_lora import read_lora_file
 
-    modes = {"int8": ["--frozen_dtype", "int8"], "bf16": ["--frozen_dtype", "bf16", "--fsdp", "1"]}
-    result = run_many("trainer.train_lora", [["--base", sd3, "--from_weight", "base", "--prior_data", "none",
-                                              "--learning_rate", "0.05", *FAST, *mode, *dirs(tmp_path / name)]
-                                             for name, mode in modes.items()])
-    outputs = run_outputs(result.stdout)
-    assert len(outputs) == len(modes)
-    for (name, mode), text in zip(modes.items(), outputs):
-        assert f"frozen networks held in {name}" in text
-        assert ("FSDP over mesh" if "--fsdp" in mode else "(DDP)") in text
-        state = read_lora_file(str(tmp_path / name / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"))[0]
-        assert state and any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k), name
+    result = run(["trainer/train_lora.py", "--base", sd3, "--from_weight", "base", "--prior_data", "none",
+                  "--learning_rate", "0.05", *FAST, *mode, *dirs(tmp_path)], torchrun=2)
+    assert f"frozen networks held in {mode[1]}" in result.stdout
+    assert ("FSDP over mesh" if "--fsdp" in mode else "(DDP)") in result.stdout
+    state = read_lora_file(str(tmp_path / "out" / "lora" / "lora_demo_sd3-tiny.safetensors"))[0]
+    assert state and any(v.abs().sum() > 0 for k, v in state.items() if "lora_B" in k)
 
 
 def test_a_resume_file_from_before_frozen_dtype_resumes_where_its_frozen_weights_were_fp32():

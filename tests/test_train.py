@@ -36,12 +36,14 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
     def folders(name):
         return ["--out_dir", str(tmp_path / name / "out"), "--save_dir", str(tmp_path / name / "ckpt")]
 
-    # resumed to run longer (--force_resume is no longer needed for that, and changes nothing here)
     result = run_many("trainer.train_pretrain", [
         SMALL_RUN + folders("first") + ["--max_steps", "4", "--ema_decay", "0.9"],
         ["--copy", str(tmp_path / "first"), str(tmp_path / "resumed")],
+        # resumed to run longer (--force_resume is no longer needed for that, and changes nothing here)
         SMALL_RUN + folders("resumed") + ["--max_steps", "6", "--ema_decay", "0.9", "--from_resume", "1",
                                           "--force_resume", "1"]])
+    outputs = run_outputs(result.stdout)
+    assert len(outputs) == 2
     out, ckpt = str(tmp_path / "first" / "out"), str(tmp_path / "first" / "ckpt")
     for name in ("pretrain_tiny.json", "pretrain_tiny.step00000004.safetensors",
                  "pretrain_tiny.step00000004.components.safetensors", "pretrain_tiny_metrics.jsonl",
@@ -56,7 +58,7 @@ def test_pretrain_under_torchrun_saves_resumes_and_samples(tmp_path, capsys):
     assert record["prediction"] == "x"  # the default; sampling and held-out loss read it from here
 
     out, ckpt = str(tmp_path / "resumed" / "out"), str(tmp_path / "resumed" / "ckpt")
-    assert "at step 4" in run_outputs(result.stdout)[1]
+    assert "at step 4" in outputs[1]
     assert metric_steps(os.path.join(out, "pretrain_tiny_metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
     assert json.load(open(os.path.join(ckpt, "pretrain_tiny_resume.json")))["step"] == 6
     assert sorted(os.listdir(ckpt)) == ["pretrain_tiny_resume.json", "pretrain_tiny_resume.step00000006.pt"]

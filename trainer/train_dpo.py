@@ -202,7 +202,7 @@ def main(argv=None):
     rounds = pair_rounds(args, source, precision.autocast)
     components = load_components(source, info.device, torch_dtype(precision.frozen))
     check_export(components, prediction, args.export_pipeline, args.export_single_file)
-    # the pairs, their grid prompts and the validation images, made ready for the steps (sizes checked, validation
+    # the pairs, the grids' prompts and the validation images, made ready for the steps (sizes checked, validation
     # encoded, the cache built when it is on)
     data = ready_data(args.data_settings, preference_data(args.pairs, rounds, components, args.data_settings,
                                                           metrics.log), components, config, info, args.batch_size,
