@@ -29,7 +29,7 @@ from tests.tiny_sd3 import build_folder
 from tests.conftest import GRID, diffusers_image, dirs
 
 FAST = ["--max_steps", "2", "--batch_size", "2", "--warmup_steps", "1", "--sample_steps", "2", "--sample_interval", "0",
-        "--preset", "sd3-tiny", "--resolution", "32", *GRID]
+        *GRID, "--preset", "sd3-tiny", "--resolution", "32"]
 
 
 @pytest.fixture(scope="module")
