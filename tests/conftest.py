@@ -107,13 +107,16 @@ def pretrained_v(shared):
     return str(shared("pretrained_v", functools.partial(pretrain_weights, prediction="v")) / "pretrain_tiny.json")
 
 
+PRETRAIN_SMALL = "pretrain_sd3-tiny"  # what a pretraining run of --preset sd3-tiny is called
+
+
 @pytest.fixture(scope="session")
 def pretrained_small(shared):
     """Briefly pretrained weights of the 2-block sd3-tiny preset (v-prediction, with a diffusers transformer folder
     beside them) -> their .json: for the runs of several processes (sharding, adapters, distillation, DPO work
     alike at any size), at a twentieth of tiny's size."""
     build = functools.partial(pretrain_weights, prediction="v", preset="sd3-tiny")
-    return str(shared("pretrained_v_sd3-tiny", build) / "pretrain_sd3-tiny.json")
+    return str(shared("pretrained_v_sd3-tiny", build) / f"{PRETRAIN_SMALL}.json")
 
 
 @pytest.fixture(scope="session")

@@ -31,11 +31,10 @@ from trainer.mechanics.signals import StopSignal
 from trainer.trainer_utils import lr_at
 
 from tests.scripts import REPO, run, run_here, run_in_process, run_many, run_script_here
-from tests.conftest import GRID, metric_steps, narrow_tiny
+from tests.conftest import GRID, PRETRAIN_SMALL, metric_steps, narrow_tiny
 from tests.conftest import alive, children, family, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
-RUN_SMALL = "pretrain_sd3-tiny"  # what a run of --preset sd3-tiny is called
 QUIET = ["--warmup_steps", "2", "--sample_interval", "0", "--sample_steps", "1", *GRID]
 
 
@@ -534,7 +533,7 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
         torchrun = ["--standalone", "--log-dir", str(tmp_path / f"{signum.name}-ranks"), "--redirects", "3"]
         proc = launch(run_args + dirs(signum.name), torchrun=processes if processes > 1 else 0, log_path=log,
                       extra=torchrun if processes > 1 else ())
-        wait_for_step(proc, str(tmp_path / signum.name / "out" / f"{RUN_SMALL}_metrics.jsonl"), 3)
+        wait_for_step(proc, str(tmp_path / signum.name / "out" / f"{PRETRAIN_SMALL}_metrics.jsonl"), 3)
         started = family(proc.pid)
         assert len(started) >= 3 * processes  # each trainer and its 2 workers (and torchrun)
         for group in {os.getpgid(pid) for pid in started}:  # torchrun starts each rank in a group of its own
@@ -549,7 +548,7 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
             text = outputs[0]
         else:
             assert code == 0, text[-3000:]
-        stopped_at = read_manifest(str(tmp_path / signum.name / "ckpt" / f"{RUN_SMALL}_resume"), "resume")["step"]
+        stopped_at = read_manifest(str(tmp_path / signum.name / "ckpt" / f"{PRETRAIN_SMALL}_resume"), "resume")["step"]
         assert f"stopped by {signum.name} at step {stopped_at}, checkpoint saved" in text and "Traceback" not in text
         assert 3 <= stopped_at < 30
         deadline = time.time() + 15
@@ -562,9 +561,9 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
     else:
         for argv in [run_args[1:] + dirs("whole")] + resumes:
             run_here(train_pretrain, argv, capsys, threads=1)
-    whole = final_state(tmp_path / "whole", RUN_SMALL)
+    whole = final_state(tmp_path / "whole", PRETRAIN_SMALL)
     for signum in (signal.SIGTERM, signal.SIGINT):
-        resumed = final_state(tmp_path / signum.name, RUN_SMALL)
+        resumed = final_state(tmp_path / signum.name, PRETRAIN_SMALL)
         for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
             assert first_difference(whole[key], resumed[key], key) is None, (signum.name, key)
         assert whole["logged"] == resumed["logged"]

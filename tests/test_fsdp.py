@@ -33,7 +33,7 @@ from trainer.mechanics.state import leaves, map_leaves
 
 from tests.scripts import run, run_in_process, run_many
 from tests.conftest import alive, children, launch, uncommitted, wait_for_step
-from tests.conftest import GRID, lora_export, sft_export
+from tests.conftest import GRID, PRETRAIN_SMALL, lora_export, sft_export
 
 SCRIPT = "trainer/train_pretrain.py"
 # a constant learning rate: a run stopped at step 3 and resumed to step 6 is the 6-step run
@@ -62,7 +62,6 @@ BATCHES = {
              ("single_8bit", 6, ("ddp2_8bit", 3))],
 }
 MODEL = {"fp32": ["--preset", "sd3-tiny"], "8bit": []}
-FP32_RUN = "pretrain_sd3-tiny"  # what the fp32 legs' files are called
 
 
 # Under pytest-xdist the tests that read the same batch run on one worker (they would wait there for the batch
@@ -200,7 +199,7 @@ def test_fsdp_trains_like_ddp_and_exports_the_gathered_weights(legs):
     # and the diffusers transformer folder written beside it (v-prediction) loads in diffusers as those weights
     from diffusers import SD3Transformer2DModel
 
-    theirs = SD3Transformer2DModel.from_pretrained(str(fsdp / "out" / FP32_RUN / "transformer"))
+    theirs = SD3Transformer2DModel.from_pretrained(str(fsdp / "out" / PRETRAIN_SMALL / "transformer"))
     for key, value in theirs.state_dict().items():
         assert torch.equal(value.float(), weights[key].float()), key
 
@@ -293,19 +292,19 @@ def test_sigkill_during_an_fsdp_save_leaves_the_last_commit_whole(tmp_path, legs
     the uninterrupted one, with the half-written folder gone."""
     args = RECIPE + MODEL["fp32"] + ["--max_steps", "6", "--save_interval", "1"] + MODES["fsdp2"][1] + \
         folders(tmp_path)
-    ckpt, metrics_path = str(tmp_path / "ckpt"), str(tmp_path / "out" / f"{FP32_RUN}_metrics.jsonl")
+    ckpt, metrics_path = str(tmp_path / "ckpt"), str(tmp_path / "out" / f"{PRETRAIN_SMALL}_metrics.jsonl")
     proc = launch(args, torchrun=2, log_path=tmp_path / "killed.log")
     wait_for_step(proc, metrics_path, 2)  # step 1's save has committed: step 2's is about to start
     deadline = time.time() + 60
-    while not uncommitted(ckpt, f"{FP32_RUN}_resume") and proc.poll() is None:
+    while not uncommitted(ckpt, f"{PRETRAIN_SMALL}_resume") and proc.poll() is None:
         assert time.time() < deadline, "no save started"
         time.sleep(0.005)
     kill_torchrun(proc)
-    assert any(name.endswith(".dcp") for name in uncommitted(ckpt, f"{FP32_RUN}_resume")), "killed after the save"
+    assert any(name.endswith(".dcp") for name in uncommitted(ckpt, f"{PRETRAIN_SMALL}_resume")), "killed after the save"
     state = whole_resume_state(tmp_path)  # the last commit: its files match the manifest and load
     assert state["step"] >= 1 and leaves(state["model"]) and leaves(state["optimizer"])
     run(args + ["--from_resume", "1"], torchrun=2)
-    assert not uncommitted(str(tmp_path / "ckpt"), f"{FP32_RUN}_resume")
+    assert not uncommitted(str(tmp_path / "ckpt"), f"{PRETRAIN_SMALL}_resume")
     whole, resumed = whole_resume_state(legs("fsdp2", 6)), whole_resume_state(tmp_path)
     for key in ("model", "optimizer", "ema", "rng"):
         assert first_difference(whole[key], resumed[key], key) is None, key
@@ -657,7 +656,7 @@ def test_own_data_with_validation_shards_like_ddp(tmp_path):
     sharded, reference = metrics(runs["fsdp2"]), metrics(runs["ddp2"])
     assert [r["sample_ids"] for r in sharded] == [r["sample_ids"] for r in reference]
     assert [r["val_loss"] for r in sharded] == pytest.approx([r["val_loss"] for r in reference], rel=1e-5)
-    single = {mode: load_safetensors(str(folder / "out" / f"{FP32_RUN}_single_file.safetensors"))
+    single = {mode: load_safetensors(str(folder / "out" / f"{PRETRAIN_SMALL}_single_file.safetensors"))
               for mode, folder in runs.items()}
     assert single["fsdp2"].keys() == single["ddp2"].keys()
     for key, value in single["fsdp2"].items():
