@@ -176,17 +176,19 @@ def sincos_2d_table(dim, grid_size, base_size):
     """SD3's fixed 2D sin-cos position table [grid_size**2, dim], in fp32.
 
     Positions are scaled so the whole table spans `base_size` units. The first half of the channels encodes the
-    column, the second half the row; each half is [sin, cos] over geometric frequencies (computed in fp64).
+    column, the second half the row; each half is [sin, cos] over geometric frequencies (computed in fp64, on the
+    CPU whatever device the model is built on: the same table everywhere, and on the meta device (meta_model)
+    arange's decomposition would import torch._dynamo, 2-3 s of a process's start).
     """
-    pos = torch.arange(grid_size, dtype=torch.float64) / (grid_size / base_size)
-    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))
+    pos = torch.arange(grid_size, dtype=torch.float64, device="cpu") / (grid_size / base_size)
+    omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64, device="cpu") / (dim / 4))
 
     def one_axis(p):  # [grid, grid] positions -> [grid*grid, dim/2]
         out = p.reshape(-1, 1) * omega
         return torch.cat([out.sin(), out.cos()], dim=1)
 
     rows, cols = torch.meshgrid(pos, pos, indexing="ij")
-    return torch.cat([one_axis(cols), one_axis(rows)], dim=1).float()
+    return torch.cat([one_axis(cols), one_axis(rows)], dim=1).float().to(torch.get_default_device())
 
 
 def timestep_sinusoids(timestep, dim=256, max_period=10000):
@@ -455,6 +457,8 @@ class SD3Light(nn.Module):
     def initialize_weights(self):
         """DiT's recipe: Xavier linears, zero biases, and adaLN-Zero (zero modulation and output) so that every
         block starts as the identity and the first prediction is zero."""
+        if self.proj_out.weight.is_meta:  # no values to set (and normal_ there would import torch._dynamo: 2-3 s)
+            return
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Conv2d)):
                 nn.init.xavier_uniform_(module.weight.view(module.weight.shape[0], -1))

@@ -229,9 +229,12 @@ def test_preset_sizes_and_table():
 
 
 def test_presets_helper_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "model.model_sd3light"], cwd=REPO, capture_output=True, text=True,
-                         check=True).stdout
-    assert "sd3.5-large" in out and "8056.6M" in out
+    # -X importtime lists every module imported, on stderr: a model built on the meta device (the parameter counts,
+    # and the memory plan of every run) imports no torch._dynamo, 2-3 s of CPU at a process's start
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "model.model_sd3light"], cwd=REPO,
+                            capture_output=True, text=True, check=True)
+    assert "sd3.5-large" in result.stdout and "8056.6M" in result.stdout
+    assert " torch._dynamo\n" not in result.stderr and " torch.fx.experimental.symbolic_shapes\n" not in result.stderr
 
 
 def _math_attention(q, k, v, **kwargs):
