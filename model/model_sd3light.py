@@ -178,10 +178,10 @@ def sincos_2d_table(dim, grid_size, base_size):
     Positions are scaled so the whole table spans `base_size` units. The first half of the channels encodes the
     column, the second half the row; each half is [sin, cos] over geometric frequencies (computed in fp64, on the
     CPU whatever device the model is built on: the same table everywhere). On the meta device (meta_model) only its
-    shape: arange's decomposition there would import torch._dynamo, 2-3 s of a process's start.
+    shape: meta ops run torch's Python references, whose first call imports torch._dynamo (2-3 s of a start).
     """
     if torch.get_default_device().type == "meta":
-        return torch.empty(grid_size ** 2, dim)
+        return torch.empty(grid_size ** 2, dim, dtype=torch.float32)
     pos = torch.arange(grid_size, dtype=torch.float64, device="cpu") / (grid_size / base_size)
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64, device="cpu") / (dim / 4))
 

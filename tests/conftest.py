@@ -46,7 +46,7 @@ def pytest_configure(config):
     every process the suite starts would compile the project's sources again (0.3 s of CPU each, measured)."""
     if not hasattr(config, "workerinput"):
         for folder in ("model", "trainer", "dataset", "eval", "bench", "tests"):
-            compileall.compile_dir(os.path.join(REPO, folder), quiet=1)
+            compileall.compile_dir(os.path.join(REPO, folder), quiet=2)  # a read-only checkout: silent
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
