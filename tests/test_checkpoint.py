@@ -1,6 +1,7 @@
 """Checkpoints that cannot lie: verified atomic saves, manifests, kill safety, graceful stop, exact resume,
 world-size changes and two nodes on localhost."""
 import argparse
+import functools
 import json
 import os
 import random
@@ -31,7 +32,8 @@ from trainer.mechanics.signals import StopSignal
 from trainer.trainer_utils import lr_at
 
 from tests.scripts import REPO, run, run_here, run_in_process, run_many, run_script_here
-from tests.conftest import GRID, PRETRAIN_SMALL, metric_steps, narrow_tiny
+from tests.conftest import GRID, PRETRAIN_SMALL, metric_steps, narrow_tiny, sft_export
+from tests.conftest import final_state as ended_with
 from tests.conftest import alive, children, family, launch, uncommitted, wait_for_step
 
 SCRIPT = "trainer/train_pretrain.py"
@@ -310,17 +312,10 @@ def train_in_process(tmp_path, dataset, monkeypatch, from_resume="0", recipe=())
         return run_in_process(train_pretrain, argv, patch, build_dataset=lambda *args, **kwargs: dataset)
 
 
-def final_state(tmp_path, name="pretrain_tiny"):
-    """What run `name` in folder `tmp_path` ended with: its resume checkpoint, its exported weights, its rows."""
-    ckpt = str(tmp_path / "ckpt" / f"{name}_resume")
-    state = load_torch(checkpoint.checkpoint_file(ckpt, read_manifest(ckpt, "resume"), ".pt"))
-    weights = str(tmp_path / "out" / name)
-    state["weights"] = load_safetensors(checkpoint.checkpoint_file(weights, read_manifest(weights, "weights"),
-                                                                   ".safetensors"))
-    with open(tmp_path / "out" / f"{name}_metrics.jsonl") as f:
-        state["logged"] = [{k: row[k] for k in ("step", "epoch", "loss", "lr", "grad_norm", "samples_seen")}
-                           for row in map(json.loads, f)]
-    return state
+def final_state(run_dir, name="pretrain_tiny"):
+    """What pretraining run `name` in `run_dir` ended with (conftest's final_state): its resume checkpoint, its
+    exported weights ("export") and its rows."""
+    return ended_with(run_dir, name, functools.partial(sft_export, name=name))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])  # muon: two optimizers, both states in the checkpoint
@@ -339,7 +334,7 @@ def test_sigterm_saves_at_the_step_boundary_and_resume_is_bitwise_exact(tmp_path
                                       recipe=recipe)
     assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
     whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
-    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):
+    for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
     assert whole["logged"] == cut["logged"] and [r["step"] for r in cut["logged"]] == list(range(1, 10))
 
@@ -362,7 +357,7 @@ def test_a_resume_file_in_the_earlier_layout_resumes_bitwise(tmp_path, monkeypat
     step, messages = train_in_process(tmp_path / "cut", SignalAtFetch(data), monkeypatch, from_resume="1")
     assert step == 9 and any("at step 5 (epoch 0, 20 samples seen)" in m for m in messages)
     whole, cut = final_state(tmp_path / "whole"), final_state(tmp_path / "cut")
-    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "epoch", "consumed", "samples_seen"):
+    for key in ("model", "ema", "optimizer", "rng", "export", "step", "epoch", "consumed", "samples_seen"):
         assert first_difference(whole[key], cut[key], key) is None, key
     assert whole["logged"] == cut["logged"]
 
@@ -508,7 +503,7 @@ def test_sigkill_at_random_moments_never_loses_a_save_and_the_run_ends_bitwise_e
     assert not uncommitted(str(cut / "ckpt"), "pretrain_tiny_resume") and not uncommitted(str(cut / "out"),
                                                                                        "pretrain_tiny")
     whole, resumed = final_state(ref), final_state(cut)
-    for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
+    for key in ("model", "ema", "optimizer", "rng", "export", "step", "samples_seen"):
         assert first_difference(whole[key], resumed[key], key) is None, key
     assert whole["logged"] == resumed["logged"]
 
@@ -564,7 +559,7 @@ def test_a_stop_signalled_to_the_whole_group_saves_exits_0_and_resumes_bitwise(t
     whole = final_state(tmp_path / "whole", PRETRAIN_SMALL)
     for signum in (signal.SIGTERM, signal.SIGINT):
         resumed = final_state(tmp_path / signum.name, PRETRAIN_SMALL)
-        for key in ("model", "ema", "optimizer", "rng", "weights", "step", "samples_seen"):
+        for key in ("model", "ema", "optimizer", "rng", "export", "step", "samples_seen"):
             assert first_difference(whole[key], resumed[key], key) is None, (signum.name, key)
         assert whole["logged"] == resumed["logged"]
 
