@@ -372,8 +372,9 @@ def add_export_args(parser):
 
 
 def add_plumbing_args(parser, data="builtin"):
-    """Components, data, cache, paths, resume, intervals, logging and hardware: the same for every stage. `data`:
-    the default of --data; None for a stage that declares what it trains on itself (preference pairs)."""
+    """Components, data, cache, paths, resume, intervals, logging and (add_hardware_args) the machine: the same for
+    every stage. `data`: the default of --data; None for a stage that declares what it trains on itself (preference
+    pairs)."""
     if data is not None:
         parser.identity.add_argument("--data", default=data, help="'builtin' shapes, a folder of images + .txt "
                                      "captions, or a .jsonl manifest")
@@ -411,6 +412,16 @@ def add_plumbing_args(parser, data="builtin"):
       "between two, a GPU runs ahead with nothing to wait for; every save, validation and the end are one too")
     a("--log_sample_ids", type=switch, default=0, help="1 = record in the metrics file which dataset indices each "
       "step trained on (to audit the data order across resumes)")
+    add_hardware_args(parser)
+    a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")
+    a("--wandb_project", default="MiniSD3")
+    return parser
+
+
+def add_hardware_args(parser):
+    """How the run uses the machine: data loader processes, autocast, recomputation, the EMA's device, compiling,
+    sharding over the processes and how long they wait for one another."""
+    a = parser.free.add_argument
     a("--num_workers", type=worker_count, default="auto", help="data loader processes; auto = 0 on a CPU (every "
       "core trains), 4 for each GPU within the cores a process has")
     a("--dtype", default="auto", choices=["auto", "fast", "fp32", "bf16"], help="autocast; auto = bf16 on a GPU, "
@@ -432,8 +443,6 @@ def add_plumbing_args(parser, data="builtin"):
       "SD3.5-Large size) while the others wait")
     a("--fsdp_shard_size", type=non_negative_int, default=0, help="with --fsdp: shard within groups of this many "
       "processes (e.g. one node's GPUs) and replicate across groups (hybrid sharding); 0 = shard over all")
-    a("--use_wandb", action="store_true", help="log to wandb (offline without WANDB_API_KEY)")
-    a("--wandb_project", default="MiniSD3")
     return parser
 
 
