@@ -1,7 +1,7 @@
 """GenEval-style prompt following on the built-in world: six tasks, each image right only if every clause holds.
 
     python eval/eval_geneval.py --weights pretrain_tiny                 # generate and score (4 seeds a prompt)
-    python eval/eval_geneval.py --ground_truth                          # score freshly drawn data: the scorer's own accuracy
+    python eval/eval_geneval.py --ground_truth                          # the scorer's own accuracy, on drawn data
 
 The tasks follow GenEval (Ghosh et al. 2023), phrased in the built-in grammar:
     single_object  "a large red circle in the center"       an object of that shape is there
@@ -234,7 +234,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora", default=None, help="score with this LoRA applied: a name in out/lora, or a path")
     parser.add_argument("--lora_scale", type=float, default=1.0)
     parser.add_argument("--ground_truth", action="store_true", help="score freshly drawn dataset images instead")
-    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK, help="per task and split (train, held-out)")
+    parser.add_argument("--prompts_per_task", type=int, default=PROMPTS_PER_TASK,
+                        help="per task and split (train, held-out)")
     parser.add_argument("--seeds", type=int, default=4, help="images per prompt")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resolution", type=int, default=32, help="for --ground_truth")

@@ -165,8 +165,8 @@ def test_a_folded_alpha_gives_every_loader_the_trained_strength(tmp_path):
 
 def reference_lora(layer, x, dropout=None):
     """What a LoRA layer computes, through autograd's own nn.functional calls: W x + b + scale B (A x)."""
-    update = torch.nn.functional.linear(torch.nn.functional.linear(x if dropout is None else dropout, layer.lora_A.weight),
-                                        layer.lora_B.weight)
+    down = torch.nn.functional.linear(x if dropout is None else dropout, layer.lora_A.weight)
+    update = torch.nn.functional.linear(down, layer.lora_B.weight)
     return torch.nn.functional.linear(x, layer.weight, layer.bias) + layer.scale * update
 
 

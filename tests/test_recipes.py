@@ -32,7 +32,8 @@ RECIPES = {
 @pytest.mark.parametrize("stage", list(RECIPES), ids=lambda stage: stage.__name__.split(".")[-1])
 def test_published_weights_train_with_the_real_model_recipe(stage):
     for preset in PUBLISHED_PRESETS:
-        argv = ["--base", "/models/sd3", "--preset", preset] + (["--pairs", "pairs.jsonl"] if stage is train_dpo else [])
+        pairs = ["--pairs", "pairs.jsonl"] if stage is train_dpo else []
+        argv = ["--base", "/models/sd3", "--preset", preset] + pairs
         args = stage.parse_args(argv)
         assert {name: getattr(args, name) for name in RECIPES[stage]} == RECIPES[stage]
         assert args.recipe_note.startswith(f"the real-model recipe (--preset {preset}")
@@ -82,4 +83,5 @@ def test_help_lists_the_real_model_recipe(capsys):
     with pytest.raises(SystemExit):
         train_lora.parse_args(["--help"])
     shown = " ".join(capsys.readouterr().out.split())
-    assert "the real-model recipe replaces the demo's defaults: learning_rate 0.0001, lora_rank 16, batch_size 1" in shown
+    recipe = "the real-model recipe replaces the demo's defaults: learning_rate 0.0001, lora_rank 16, batch_size 1"
+    assert recipe in shown
