@@ -266,8 +266,8 @@ def train(args, info, position, data, learner, out, fused):
             if ema is not None:
                 ema.update(position.step, skipped)
             position.end_step()
-            rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, flops, started,
-                     position.step_ids() if args.log_sample_ids else None)
+            rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, [(loss, grad_norm)],
+                     flops, started, position.step_ids() if args.log_sample_ids else None)
 
             saving = position.due(args.save_interval)
             validating = data.validation and position.due(args.val_interval)

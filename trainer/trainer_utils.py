@@ -206,14 +206,15 @@ def step_inputs(batches, learner, generator, throughput, training_text=True):
 
 def write_steps(steps, guard, metrics, throughput, global_batch):
     """The steps read at a log step (StepRows.read): each one's row in the metrics, with its FLOP/s and images a
-    second, or for one whose update was skipped on the device the guard's warning (`guard`: NonFiniteSteps, which
-    ends the run after many in a row)."""
+    second, or, for one whose update was skipped on the device, the guard's warning for each (loss, gradient norm)
+    that was not finite (`guard`: NonFiniteSteps, which checks them in the order they were stepped and ends the run
+    after many in a row)."""
     for step in steps:
-        warning = guard.skip(step.values["loss"], step.values["grad_norm"], step.at.step)
-        if warning:
+        warnings = [guard.skip(loss, grad_norm, step.at.step) for loss, grad_norm in step.checks]
+        for warning in filter(None, warnings):
             metrics.log(warning)
         metrics.write(step.at, {**step.values, **throughput.rates(step.flops, step.seconds)},
-                      global_batch / step.seconds, warning is not None, step.ids)
+                      global_batch / step.seconds, any(warnings), step.ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -75,10 +75,12 @@ class At:
 
 @dataclass(frozen=True)
 class StepRow:
-    """A step read at a log step: where it left the run (`at`), its values as numbers, its FLOPs, the dataset
-    indices it trained on (or None), and its share of the seconds the steps since the last read took."""
+    """A step read at a log step: where it left the run (`at`), its values as numbers, the (loss, gradient norm)
+    pairs its updates were decided by (`checks`, numbers: one a network stepped), its FLOPs, the dataset indices it
+    trained on (or None), and its share of the seconds the steps since the last read took."""
     at: At
     values: dict
+    checks: list
     flops: float
     ids: list
     seconds: float
@@ -92,19 +94,25 @@ class StepRows:
     def __init__(self):
         self.pending = []
 
-    def add(self, position, values, flops, started, ids=None):
-        """The step that `position` has just ended, begun at `started` (time.perf_counter()), with `values`."""
-        self.pending.append((At(position.step, position.epoch, position.samples_seen), values, flops, started, ids))
+    def add(self, position, values, checks, flops, started, ids=None):
+        """The step that `position` has just ended, begun at `started` (time.perf_counter()), with `values` (its
+        row) and `checks`: the (loss, gradient norm) of each network it stepped, in the order it stepped them."""
+        at = At(position.step, position.epoch, position.samples_seen)
+        self.pending.append((at, values, [tuple(pair) for pair in checks], flops, started, ids))
 
     def read(self):
         """-> [StepRow]: the steps since the last read, their tensors read at once; each step's seconds are the
         mean over them (a step queued on a GPU ends when the read does)."""
-        tensors = [v.double() for _, values, _, _, _ in self.pending for v in values.values()
-                   if isinstance(v, torch.Tensor)]
+        tensors = [v.double() for _, values, checks, *_ in self.pending
+                   for v in [*values.values(), *(v for pair in checks for v in pair)] if isinstance(v, torch.Tensor)]
         numbers = iter(torch.stack(tensors).tolist() if tensors else [])
-        seconds = (time.perf_counter() - self.pending[0][3]) / len(self.pending)
-        rows = [StepRow(at, {k: next(numbers) if isinstance(v, torch.Tensor) else v for k, v in values.items()},
-                        flops, ids, seconds) for at, values, flops, _, ids in self.pending]
+
+        def number(v):  # (in the order the tensors were gathered: a step's values, then its checks)
+            return next(numbers) if isinstance(v, torch.Tensor) else v
+
+        seconds = (time.perf_counter() - self.pending[0][4]) / len(self.pending)
+        rows = [StepRow(at, {k: number(v) for k, v in values.items()}, [tuple(map(number, pair)) for pair in checks],
+                        flops, ids, seconds) for at, values, checks, flops, _, ids in self.pending]
         self.pending = []
         return rows
 
