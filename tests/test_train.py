@@ -18,6 +18,7 @@ from model.errors import UserError
 from model.weights import load_weights
 from model.rectified_flow import FlowRecipe, flow_matching_loss
 from trainer.mechanics.ema import EMA
+from trainer.mechanics.optimizers import SkippingMuon
 from trainer.trainer_utils import lr_at
 
 import eval.eval_loss as eval_loss
@@ -285,6 +286,26 @@ def test_nan_steps_are_skipped_and_the_run_still_saves(tmp_path, monkeypatch):
 def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="not finite for 10 steps in a row"):
         _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20, monkeypatch=monkeypatch)
+
+
+def test_muon_skips_its_step_where_the_loop_flags_it_not_finite():
+    """--optimizer muon's Muon (SkippingMuon): where the loop's flag (found_inf) is 1, nothing moves, its momentum
+    neither; where it is 0, its step is torch's Muon's, bit for bit."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(8, 4)) for _ in range(2)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    skipping, plain = SkippingMuon(ours, lr=0.02), torch.optim.Muon(theirs, lr=0.02)
+    for flag in (0.0, 1.0, 1.0, 0.0):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(8, 4) if flag == 0 else torch.full((8, 4), float("nan"))
+            b.grad = a.grad.clone()
+        skipping.found_inf = torch.tensor(flag)
+        skipping.step()
+        if flag == 0:
+            plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert all(torch.equal(skipping.state[a]["momentum_buffer"], plain.state[b]["momentum_buffer"])
+               for a, b in zip(ours, theirs))
 
 
 def test_ema_decay_warms_up_then_holds():

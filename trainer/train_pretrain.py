@@ -18,7 +18,6 @@ The two files it names: model/rectified_flow.py (the loss: flow_matching_loss, a
 target it uses) and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step
 what a save writes and deletes).
 """
-import math
 import os
 import sys
 import time
@@ -42,18 +41,18 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
 from trainer.mechanics.distributed import (  # noqa: E402
-    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
+    NamedOptimizerState, any_process, data_parallel, mean_over_processes, sync_gradients, whole,
 )
 from trainer.mechanics.ema import EMA  # noqa: E402
-from trainer.mechanics.metrics import Throughput  # noqa: E402
-from trainer.mechanics.optimizers import adamw  # noqa: E402
+from trainer.mechanics.metrics import StepRows, Throughput  # noqa: E402
+from trainer.mechanics.optimizers import SkippingMuon, adamw  # noqa: E402
 from trainer.mechanics.position import Position  # noqa: E402
 from trainer.mechanics.previews import Previews  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    FlowLearner, NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr,
-    start_run,
+    FlowLearner, NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, sample_grid, save_step,
+    set_lr, start_run, write_steps,
 )
 
 
@@ -96,8 +95,8 @@ def make_optimizers(model, args):
     params = list(model.parameters())
     if args.optimizer == "muon":
         hidden, rest = model.block_matrices_and_rest()
-        return [torch.optim.Muon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                 adjust_lr_fn="match_rms_adamw"),
+        return [SkippingMuon(hidden, lr=args.learning_rate, weight_decay=args.weight_decay,
+                             adjust_lr_fn="match_rms_adamw"),
                 torch.optim.AdamW(rest, lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)]
     return [adamw(params, args.learning_rate, args.weight_decay, eight_bit=args.optimizer == "adamw8bit")]
 
@@ -184,46 +183,49 @@ def accumulate(args, batches, learner, generator, throughput):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
         loss = flow_matching_loss(learner.train_model, learner.components, batch, generator, learner.recipe)
         (loss / args.accumulation_steps).backward()
-        total = total + loss.detach().double()  # on the device: read once a step, after the all-reduce
+        total = total + loss.detach().double()  # on the device: read at the log step, after the all-reduce
         flops += throughput.flops(batch).model
     return total, flops
 
 
 def train(args, info, position, data, learner, out):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
-    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
-    params = list(learner.model.parameters())
-    stopping, guard = False, NonFiniteSteps(args.save_dir)
-    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between two
+    log steps (--log_interval) nothing is read to the host: a GPU runs ahead (but for Muon's skip flag, a read a
+    step)."""
+    metrics, ema, params = out.metrics, learner.ema, list(learner.model.parameters())
+    stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             lr = set_lr(learner.optimizers, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                   args.warmup_steps, args.min_lr_ratio))
             total, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
-            # the loss over micro-batches and processes, and whether any process was asked to stop: one all-reduce
-            (loss,), stopping = mean_and_any([total / args.accumulation_steps], stop.received is not None, info)
-            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) if math.isfinite(loss) \
-                else None
-            warning = guard.skip(loss, grad_norm, position.step)  # not finite: no update (many in a row: the end)
-            if warning:
-                log(warning)
-            else:
-                for optimizer in learner.optimizers:
-                    optimizer.step()
-                if ema is not None:
-                    ema.update(position.step)
+            # the loss over micro-batches and processes, the gradients' norm (then clipped), and whether either is
+            # not finite: all on the device, where the update and the EMA are skipped if so
+            loss = mean_over_processes(total / args.accumulation_steps, info)
+            grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            skipped = not_finite(loss, grad_norm)
             for optimizer in learner.optimizers:
+                optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's), Muon: no update where 1
+                optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(position.step, skipped)
             position.end_step()
-            seconds = time.perf_counter() - started
+            rows.add(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": None}, [(loss, grad_norm)],
+                     flops, started, position.step_ids() if args.log_sample_ids else None)
 
-            val_loss = None
-            if data.validation and position.due(args.val_interval):
-                val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"loss": loss, "lr": lr, "grad_norm": grad_norm, "val_loss": val_loss,
-                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
-                          warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.due(args.save_interval) or stopping:
+            saving = position.due(args.save_interval)
+            validating = data.validation and position.due(args.val_interval)
+            if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
+                # a log step, where the host reads; processes agree to stop here (one alone stops at once)
+                stopping = any_process(stop.received is not None, info)
+                steps = rows.read()  # every step's values since the last log step, at once
+                if validating:
+                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
+                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+            if saving or stopping:
                 # the resume checkpoint, then what other tools read (the EMA, else the weights); older ones deleted
                 save_step(out, ema or learner.model, position, info, stopping)
             if position.due(args.sample_interval) and not stopping:

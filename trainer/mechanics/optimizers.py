@@ -1,5 +1,5 @@
-"""The optimizers a stage builds: AdamW, fused or torchao's 8-bit one (adamw); and the optimizer step fused into
-backward (StepInBackward, --step_in_backward 1).
+"""The optimizers a stage builds: AdamW, fused or torchao's 8-bit one (adamw); Muon (SkippingMuon); and the optimizer
+step fused into backward (StepInBackward, --step_in_backward 1).
 
 The optimizer step fused into backward (--step_in_backward 1): each parameter is stepped, and its gradient freed,
 as soon as backward has accumulated it, so the whole model's gradients never exist at once (PyTorch's recipe,
@@ -33,6 +33,20 @@ def adamw(params, lr, weight_decay, eight_bit=False, bf16_rounding=None):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
     import_torchao("--optimizer adamw8bit" if eight_bit else "--trained_dtype bf16")
     return FlatAdamW(params, lr, weight_decay, eight_bit, bf16_rounding == "stochastic")
+
+
+class SkippingMuon(torch.optim.Muon):
+    """torch's Muon, which takes no skip flag as fused AdamW does: where the loop sets `found_inf` (1.0, a tensor on
+    the device, for a step whose loss or gradient norm is not finite) it reads it, the one wait for the device in
+    its step, and steps only where it is 0."""
+
+    found_inf = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if self.found_inf is not None and self.found_inf.item():
+            return None
+        return super().step(closure)
 
 
 def check_step_in_backward(accumulation_steps, world_size):
