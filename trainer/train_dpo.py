@@ -26,7 +26,6 @@ loss and backward of a step's micro-batches, train the loop.
 The two files it names: trainer/preference.py (the loss: flow_dpo_loss, and the pairs) and trainer/trainer_utils.py
 (everything around the loop: start_run, lr_at the learning rate, save_step what a save writes and deletes).
 """
-import math
 import os
 import sys
 import time
@@ -57,10 +56,10 @@ from trainer.arguments import (  # noqa: E402
 )
 from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
 from trainer.mechanics.distributed import (  # noqa: E402
-    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
+    NamedOptimizerState, any_process, data_parallel, mean_over_processes, sync_gradients, whole,
 )
 from trainer.mechanics.ema import EMA  # noqa: E402
-from trainer.mechanics.metrics import Throughput  # noqa: E402
+from trainer.mechanics.metrics import StepRows, Throughput  # noqa: E402
 from trainer.mechanics.optimizers import adamw  # noqa: E402
 from trainer.mechanics.position import Position  # noqa: E402
 from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
@@ -72,7 +71,8 @@ from trainer.preference import (  # noqa: E402
 )
 from trainer.networks import adapted_frozen, adapter_count, load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr, start_run,
+    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, sample_grid, save_step, set_lr,
+    start_run, write_steps,
 )
 
 
@@ -132,7 +132,7 @@ def parse_args(argv=None):
     #   swapping the fewest blocks to host memory where recomputing is not enough: blocks_to_swap auto)
     parser.set_real_model_defaults(dpo_beta=100.0, lora_rank=32, lora_alpha=64.0, learning_rate=3e-4,
                                    weight_decay=1e-4, resolution=512, batch_size=4, accumulation_steps=6,
-                                   gradient_checkpointing="auto", blocks_to_swap="auto")
+                                   gradient_checkpointing="auto", blocks_to_swap="auto", log_interval=10)
     return parser.parse_args(argv)
 
 
@@ -281,7 +281,7 @@ def accumulate(args, batches, learner, generator, throughput):
         losses = flow_dpo_loss(learner.train_model, learner.reference, learner.components, batch, generator,
                                learner.recipe)
         (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
-        # on the device: read once a step, after the all-reduce
+        # on the device: read at the log step, after the all-reduce
         totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
         flops += (throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
     return totals, flops
@@ -289,13 +289,14 @@ def accumulate(args, batches, learner, generator, throughput):
 
 def train(args, info, position, data, learner, out, rounds):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal; with
-    --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`)."""
+    --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`). Between two log steps
+    (--log_interval) nothing is read to the host: a GPU runs ahead."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     trained = LoRAWeights(learner.model) if args.lora_rank else learner.model  # what is exported
-    stopping, guard = False, NonFiniteSteps(args.save_dir)
-    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+    stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             drawn, round_ = {}, (position.step - 1) // args.pair_refresh
@@ -304,30 +305,32 @@ def train(args, info, position, data, learner, out, rounds):
             lr = set_lr(learner.optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                  args.warmup_steps, args.min_lr_ratio))
             totals, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
-            # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
-            means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
-                                           stop.received is not None, info)
-            losses = dict(zip(totals, means))
-            grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, args.grad_clip)) \
-                if math.isfinite(losses["dpo"]) else None
-            warning = guard.skip(losses["dpo"], grad_norm, position.step)  # not finite: no update (many: the end)
-            if warning:
-                log(warning)
-            else:
-                learner.optimizer.step()
-                if ema is not None:
-                    ema.update(position.step)
+            # the losses over micro-batches and processes (one all-reduce), the gradients' norm (then clipped), and
+            # whether either is not finite: all on the device, where the update and the EMA are skipped if so
+            means = mean_over_processes(torch.stack(list(totals.values())) / args.accumulation_steps, info)
+            losses = dict(zip(totals, means.unbind()))
+            grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+            skipped = not_finite(losses["dpo"], grad_norm)
+            learner.optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
+            learner.optimizer.step()
             learner.optimizer.zero_grad(set_to_none=True)
+            if ema is not None:
+                ema.update(position.step, skipped)
             position.end_step()
-            seconds = time.perf_counter() - started
+            rows.add(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": None},
+                     [(losses["dpo"], grad_norm)], flops, started, position.step_ids() if args.log_sample_ids else None)
 
-            val_loss = None
-            if data.validation and position.due(args.val_interval):
-                val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"lr": lr, "grad_norm": grad_norm, **losses, **drawn, "val_loss": val_loss,
-                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
-                          warning is not None, position.step_ids() if args.log_sample_ids else None)
-            if position.due(args.save_interval) or stopping:
+            saving = position.due(args.save_interval)
+            validating = data.validation and position.due(args.val_interval)
+            if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
+                # a log step, where the host reads; processes agree to stop here (one alone stops at once)
+                stopping = any_process(stop.received is not None, info)
+                steps = rows.read()  # every step's values since the last log step, at once
+                if validating:
+                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
+                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+            if saving or stopping:
                 # the resume checkpoint, then what other tools read (the EMA, else the policy); older ones deleted
                 save_step(out, ema or trained, position, info, stopping)
             if position.due(args.sample_interval) and not stopping:
