@@ -131,19 +131,21 @@ def predict_x0(model, x_t, tokens, pooled, s, recipe, route=None):
     return x_t.float() - s.float().view(-1, 1, 1, 1) * v.float()
 
 
-def guided_x0(teacher, x_t, tokens, pooled, s, recipe):
+def guided_x0(teacher, x_t, tokens, pooled, sigmas, recipe):
     """The teacher's x0 with classifier-free guidance (recipe.real_guidance) against the zero (unconditional) text
     for the samples whose sigma lies in recipe.guidance_interval (lowest, highest], its plain conditional x0
     elsewhere (guidance in a limited interval, Kynkaanniemi et al. 2024); guidance acts on x0 as on v, since x0 is
-    affine in v."""
+    affine in v. `sigmas`: as drawn, on the host, where whether any lies inside is decided (no read of the
+    device)."""
     guidance, interval = recipe.real_guidance, recipe.guidance_interval
-    inside = (s > interval[0]) & (s <= interval[1])
+    inside = (sigmas > interval[0]) & (sigmas <= interval[1])
+    s = to_device(sigmas, x_t.device)
     if guidance == 1.0 or not bool(inside.any()):
         return predict_x0(teacher, x_t, tokens, pooled, s, recipe)
     both = predict_x0(teacher, torch.cat([x_t, x_t]), *with_unconditional(tokens, pooled), torch.cat([s, s]),
                       recipe)
     cond, uncond = both.chunk(2)
-    scale = torch.where(inside, guidance, 1.0).view(-1, 1, 1, 1).to(cond)
+    scale = to_device(torch.where(inside, guidance, 1.0), x_t.device).view(-1, 1, 1, 1).to(cond)
     return uncond + scale * (cond - uncond)
 
 
@@ -170,12 +172,14 @@ def dmd_direction(x0_gen, x0_real, x0_fake):
     return torch.nan_to_num((p_real - p_fake) / p_real.abs().mean(dim=(1, 2, 3), keepdim=True))
 
 
-def dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe):
+def dmd_loss(nets, x0_gen, tokens, pooled, sigmas, noise, recipe):
     """The distribution-matching loss: 0.5 * mse(x, x - grad) with grad fixed, whose gradient in x is `grad`
-    (dmd_direction) over the number of elements. Both scores see the noised sample without gradients."""
+    (dmd_direction) over the number of elements. Both scores see the noised sample without gradients. `sigmas`: on
+    the host, as drawn (the teacher's guidance is decided there)."""
+    s = to_device(sigmas, noise.device)
     with torch.no_grad():
         x_t = add_noise(x0_gen.detach(), noise, s)
-        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, s, recipe)
+        x0_real = guided_x0(nets.teacher, x_t, tokens, pooled, sigmas, recipe)
         x0_fake = predict_x0(nets.fake, x_t, tokens, pooled, s, recipe)
         grad = dmd_direction(x0_gen.detach(), x0_real, x0_fake)
     return 0.5 * F.mse_loss(x0_gen, (x0_gen - grad).detach())
@@ -245,11 +249,12 @@ def distillation_losses(nets, components, batch, rng, k, update_generator, recip
     x0_gen = generate(nets, noise, (tokens, pooled), k, rng, recipe, grad=update_generator)
     losses = {}
     if update_generator:
-        s = to_device(score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng), device)
+        sigmas = score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng)  # (on the host)
         noise = to_device(torch.randn(real.shape, generator=rng), device)
-        losses["dmd"] = dmd_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
+        losses["dmd"] = dmd_loss(nets, x0_gen, tokens, pooled, sigmas, noise, recipe)
         if nets.head is not None:
-            losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, s, noise, recipe)
+            losses["gan_g"] = gan_generator_loss(nets, x0_gen, tokens, pooled, to_device(sigmas, device), noise,
+                                                 recipe)
     s = to_device(score_sigmas(n, recipe.score_shift, recipe.min_sigma, recipe.max_sigma, rng), device)
     noise = to_device(torch.randn(real.shape, generator=rng), device)
     losses["fake_score"], gan_d = fake_score_loss(nets, x0_gen, real, (tokens, pooled), s, noise, recipe)

@@ -21,7 +21,6 @@ The two files it names: trainer/distillation.py (the losses: distillation_losses
 trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step
 what a save writes and deletes).
 """
-import math
 import os
 import sys
 import time
@@ -47,10 +46,10 @@ from trainer.distillation import (  # noqa: E402
 )
 from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
 from trainer.mechanics.distributed import (  # noqa: E402
-    NamedOptimizerState, data_parallel, mean_and_any, sync_gradients, to_item,
+    NamedOptimizerState, any_process, data_parallel, mean_over_processes, sync_gradients, whole,
 )
 from trainer.mechanics.ema import EMA  # noqa: E402
-from trainer.mechanics.metrics import Throughput  # noqa: E402
+from trainer.mechanics.metrics import StepRows, Throughput  # noqa: E402
 from trainer.mechanics.optimizers import adamw  # noqa: E402
 from trainer.mechanics.position import Position  # noqa: E402
 from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
@@ -58,7 +57,8 @@ from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.networks import load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, resume_run, sample_grid, save_step, set_lr, start_run,
+    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, sample_grid, save_step, set_lr,
+    start_run, write_steps,
 )
 
 
@@ -249,31 +249,28 @@ def accumulate(args, batches, learner, generator, k, update, throughput):
             sync_gradients(net, micro == args.accumulation_steps - 1)
         losses = distillation_losses(nets, learner.components, batch, generator, k, update, learner.recipe)
         (sum(losses.values()) / args.accumulation_steps).backward()
-        # on the device: read once a step, after the all-reduce
+        # on the device: read at the log step, after the all-reduce
         totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
         flops += distillation_flops(throughput, batch, k, update, learner.recipe, nets.head is not None)
     return totals, flops
 
 
-def step_network(args, net, optimizer, loss, guard, step, log):
-    """One network's update: its gradients clipped, its optimizer's step (skipped, with a warning, where the loss
-    or the gradient norm is not finite), its gradients zeroed -> the gradient norm, or None if skipped."""
-    grad_norm = to_item(torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip)) if math.isfinite(loss) \
-        else None
-    warning = guard.skip(loss, grad_norm, step)  # not finite: no update (many in a row: the end)
-    if warning:
-        log(warning)
-    else:
-        optimizer.step()
+def step_network(args, net, optimizer, loss):
+    """One network's update, on the device: its gradients clipped, its optimizer's step (none where the loss or the
+    gradient norm is not finite: `optimizer.found_inf`), its gradients zeroed -> the gradient norm (a tensor)."""
+    grad_norm = whole(torch.nn.utils.clip_grad_norm_(net.parameters(), args.grad_clip))
+    optimizer.found_inf = not_finite(loss, grad_norm)  # fused AdamW: no update where 1
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return None if warning else grad_norm
+    return grad_norm
 
 
 def train(args, info, position, data, learner, out):
-    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal."""
-    metrics, log, nets, opt, ema = out.metrics, out.metrics.log, learner.nets, learner.optimizers, learner.ema
-    stopping, guard = False, NonFiniteSteps(args.save_dir)
-    with StopSignal() as stop:  # SIGTERM or Ctrl-C: the step in progress completes, is saved, and the loop ends
+    """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between two
+    log steps (--log_interval) nothing is read to the host: a GPU runs ahead."""
+    metrics, nets, opt, ema = out.metrics, learner.nets, learner.optimizers, learner.ema
+    stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
             update_generator = position.step % args.gen_update_ratio == 0  # the generator learns every Nth step
@@ -285,31 +282,37 @@ def train(args, info, position, data, learner, out):
                 args.warmup_steps, args.min_lr_ratio))
             totals, flops = accumulate(args, batches, learner, position.generator, k, update_generator,
                                        out.throughput)
-            # the losses over micro-batches and processes, and whether any process was asked to stop: one all-reduce
-            means, stopping = mean_and_any([total / args.accumulation_steps for total in totals.values()],
-                                           stop.received is not None, info)
-            losses = dict(zip(totals, means))
-            # each network clipped and stepped: the fake score and the head every step, the generator on its steps
-            norms = {"fake_grad_norm": step_network(args, nets.fake, opt["fake_score"], losses["fake_score"], guard,
-                                              position.step, log)}
+            # the losses over micro-batches and processes, in one all-reduce on the device
+            means = mean_over_processes(torch.stack(list(totals.values())) / args.accumulation_steps, info)
+            losses = dict(zip(totals, means.unbind()))
+            # each network clipped and stepped on the device (the fake score and the head every step, the generator
+            # on its steps), skipped where its loss or gradient norm is not finite: the guard reads both at the log
+            # step, in this order
+            stepped = [("fake_grad_norm", nets.fake, opt["fake_score"], losses["fake_score"])]
             if nets.head is not None:
-                norms["gan_grad_norm"] = step_network(args, nets.head, opt["gan_head"], losses["gan_d"], guard,
-                                                position.step, log)
+                stepped.append(("gan_grad_norm", nets.head, opt["gan_head"], losses["gan_d"]))
             if update_generator:
-                norms["gen_grad_norm"] = step_network(args, nets.generator, opt["generator"], losses["dmd"] +
-                                                losses.get("gan_g", 0.0), guard, position.step, log)
-                if ema is not None and norms["gen_grad_norm"] is not None:
-                    ema.update(position.step)
+                stepped.append(("gen_grad_norm", nets.generator, opt["generator"],
+                                losses["dmd"] + losses.get("gan_g", 0.0)))
+            norms = {name: step_network(args, net, optimizer, loss) for name, net, optimizer, loss in stepped}
+            if update_generator and ema is not None:
+                ema.update(position.step, opt["generator"].found_inf)  # not where the generator's step was skipped
             position.end_step()
-            seconds = time.perf_counter() - started
+            rows.add(position, {"lr": lr, **losses, **norms, "val_loss": None},
+                     [(loss, norms[name]) for name, _, _, loss in stepped], flops, started,
+                     position.step_ids() if args.log_sample_ids else None)
 
-            val_loss = None
-            if data.validation and position.due(args.val_interval):
-                val_loss = out.previews.validation_loss(data.validation)
-            metrics.write(position, {"lr": lr, **losses, **norms, "val_loss": val_loss,
-                                     **out.throughput.rates(flops, seconds)}, position.global_batch / seconds,
-                          None in norms.values(), position.step_ids() if args.log_sample_ids else None)
-            if position.due(args.save_interval) or stopping:
+            saving = position.due(args.save_interval)
+            validating = data.validation and position.due(args.val_interval)
+            if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
+                # a log step, where the host reads; processes agree to stop here (one alone stops at once)
+                stopping = any_process(stop.received is not None, info)
+                steps = rows.read()  # every step's values since the last log step, at once
+                if validating:
+                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
+                # each step's row, or the warnings of the networks skipped as not finite (many in a row: the end)
+                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+            if saving or stopping:
                 # the resume checkpoint, then what other tools read (the generator's EMA, else its weights); older
                 # ones deleted
                 save_step(out, ema or nets.generator, position, info, stopping)
