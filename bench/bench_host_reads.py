@@ -1,7 +1,8 @@
 """How often a stage's loop makes the host wait for the device: the reads of device values (a loss turned into a
 float, a finiteness check in an `if`, a tensor's tolist) in each step of a real run, and the lines that make them.
 
-    python bench/bench_host_reads.py --work /tmp/reads               # LoRA, the full fine-tune, it stepped in backward
+    python bench/bench_host_reads.py --work /tmp/reads     # LoRA, the full fine-tune (and stepped in backward),
+                                                           # pretraining, distillation
     python bench/bench_host_reads.py --work /tmp/reads --steps 8 --only lora --log_interval 4
 
 On a GPU each such read waits for every kernel queued before it, so a loop that reads once a step cannot run ahead
@@ -16,6 +17,11 @@ there); on a GPU a copy of a device tensor to the CPU (`.cpu()`) too, which a CP
 step's forward included. Code that torch.compile runs whole (torchao's 8-bit AdamW, `--compile 1`) does not
 run under a dispatch mode: those runs are not counted here. Each stage script runs in a child process of this one (runpy), so bench/ imports nothing
 of trainer/.
+
+A read of a tensor that lives on the host on a GPU too is counted as well, since a CPU run cannot tell it apart:
+distillation's check of the teacher's guidance interval on the score sigmas as drawn (once in each generator
+step's forward). DPO is not run here: the main job's two steps draw images all alike, which give no pairs;
+tests/test_throughput.py counts its loop through a stand-in verifier.
 """
 import argparse
 import collections
@@ -35,7 +41,9 @@ WRAPPED = ("tolist", "numpy", "item", "__bool__", "__float__", "__int__")
 # (label, script, extra arguments): each from the main job's weights in the same out folder
 RUNS = {"lora": ("trainer/train_lora.py", []),
         "full_sft": ("trainer/train_full_sft.py", []),
-        "full_sft_step_in_backward": ("trainer/train_full_sft.py", ["--step_in_backward", "1"])}
+        "full_sft_step_in_backward": ("trainer/train_full_sft.py", ["--step_in_backward", "1"]),
+        "pretrain": ("trainer/train_pretrain.py", ["--out_dir", "{work}/pretrain_out"]),  # (its own export)
+        "distill": ("trainer/train_distill.py", ["--gen_update_ratio", "2"])}  # the generator every other step
 
 
 def caller():
@@ -148,7 +156,8 @@ def main():
     for label in args.only:
         script, extra = RUNS[label]
         summary = run(script, ["--max_steps", str(args.steps), "--log_interval", str(args.log_interval),
-                               "--save_dir", os.path.join(args.work, label)] + quiet + extra)
+                               "--save_dir", os.path.join(args.work, label)] + quiet +
+                      [a.format(work=os.path.abspath(args.work)) for a in extra])
         lines = "; ".join(f"{where} x{n}" for where, n in summary["step_lines"])
         print(f"| {label} | {summary['setup']} | {summary['steps']} | {summary['after']} | {lines} |")
 

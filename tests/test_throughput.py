@@ -3,12 +3,14 @@ microseconds, and at batch 1 the host, not the GPU, set the pace. The LoRA step 
 dispatched 28,192 of them with every block recomputed in backward and 17,971 without, before the hand-written
 LoRA layers and --gradient_checkpointing auto (BENCHMARKS.md, "Fast on the GPU"); they must not grow back. And the
 host's reads of tensor values, bench/bench_host_reads.py's counter (the proxy for a GPU's syncs)."""
+import linecache
 import os
 
 import pytest
 import torch
 
 from bench.bench_throughput import CONFIGS, measure
+from tests.scripts import REPO
 
 
 @pytest.mark.slow  # two steps of a 24-block model
@@ -55,3 +57,34 @@ def test_between_two_log_steps_the_lora_and_full_fine_tune_loops_read_nothing_to
         summary = run(script, common + extra + ["--save_dir", str(tmp_path / os.path.basename(script))])
         assert summary["code"] == 0 and summary["steps"][:3] == [0, 0, 0], (script, summary["step_lines"])
         assert summary["steps"][3] >= 1  # the log step after step 4: the four steps' values, read at once
+
+
+def test_between_two_log_steps_pretraining_dpo_and_distillation_read_nothing_from_the_device(pretrained, tmp_path):
+    """The same proxy for the other stages' loops (--log_interval 4): pretraining from scratch; DPO through the
+    stand-in verifier (tests/dpo_stand_in.py: the tiny start draws no shapes), its round of pairs drawn before the
+    first backward; distillation with the generator stepped at steps 2 and 4 (--gen_update_ratio 2). There the
+    teacher's guidance interval is checked on the score sigmas as drawn, a tensor on the host on a GPU too: a read
+    this CPU run counts but that waits for no device, once in each generator step's forward (the counter files a
+    forward with the backward before it), and nothing else."""
+    from bench.bench_host_reads import run
+
+    common = ["--max_steps", "5", "--log_interval", "4", "--batch_size", "2", "--sample_interval", "0",
+              "--val_interval", "1000", "--out_dir", str(tmp_path / "out")]
+    runs = {"pretrain": ("trainer/train_pretrain.py", ["--num_samples", "16", "--sample_steps", "1"]),
+            "dpo": ("tests/dpo_stand_in.py", ["--from_weight", pretrained, "--pair_prompts", "6", "--pair_images", "3",
+                                              "--pair_sample_steps", "2", "--sample_steps", "1"]),
+            "distill": ("trainer/train_distill.py", ["--from_weight", pretrained, "--num_samples", "16",
+                                                    "--gen_update_ratio", "2"])}
+    for label, (script, extra) in runs.items():
+        summary = run(script, common + extra + ["--save_dir", str(tmp_path / label)])
+        reads = dict(summary["step_lines"])
+        log_read = reads.pop("trainer/mechanics/metrics.py:108 (Tensor.tolist)", 0)
+        assert summary["code"] == 0 and log_read == 1, (label, summary)  # the log step: four steps read at once
+        if label == "distill":
+            guidance = [where for where in reads if where.startswith("trainer/distillation.py:")]
+            assert summary["steps"] == [1, 0, 1, 1] and len(guidance) == 1 and reads.pop(guidance[0]) == 2, summary
+            line = int(guidance[0].split()[0].split(":")[1])  # the line that read: the interval's check
+            assert "inside.any()" in linecache.getline(os.path.join(REPO, "trainer", "distillation.py"), line)
+        else:
+            assert summary["steps"] == [0, 0, 0, 1], (label, summary)
+        assert reads == {}, (label, reads)
