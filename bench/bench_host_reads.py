@@ -12,11 +12,11 @@ them), as the proxy for the GPU's syncs.
 
 A read is counted where it reaches the dispatcher (aten._local_scalar_dense, aten.is_nonzero) and at the Tensor
 methods that read (tolist and numpy, which do not reach it; item, bool, float and int, which do: counted once,
-there); on a GPU a copy of a device tensor to the CPU (`.cpu()`) too, which a CPU run cannot see. The steps are told apart by their backward
-(each step here has one micro-batch): the reads from one backward's start to the next are one step's, the next
-step's forward included. Code that torch.compile runs whole (torchao's 8-bit AdamW, `--compile 1`) does not
-run under a dispatch mode: those runs are not counted here. Each stage script runs in a child process of this one (runpy), so bench/ imports nothing
-of trainer/.
+there); on a GPU a copy of a device tensor to the CPU (`.cpu()`) too, which a CPU run cannot see. The steps are
+told apart by their backward (each step here has one micro-batch): the reads from one backward's start to the next
+are one step's, the next step's forward included. Code that torch.compile runs whole (torchao's 8-bit AdamW,
+`--compile 1`) does not run under a dispatch mode: those runs are not counted here. Each stage script runs in a
+child process of this one (runpy), so bench/ imports nothing of trainer/.
 
 A read of a tensor that lives on the host on a GPU too is counted as well, since a CPU run cannot tell it apart:
 distillation's check of the teacher's guidance interval on the score sigmas as drawn (once in each generator
@@ -121,7 +121,8 @@ def counted_run(script, argv):
     # steps[0]: the set-up before the first backward; the last: after the last backward (the save, the end)
     steady = counter.steps[1:-1]
     return {"code": code, "setup": len(counter.steps[0]), "steps": [len(s) for s in steady],
-            "after": len(counter.steps[-1]), "step_lines": collections.Counter(w for s in steady for w in s).most_common()}
+            "after": len(counter.steps[-1]),
+            "step_lines": collections.Counter(w for s in steady for w in s).most_common()}
 
 
 def run(script, argv):

@@ -461,7 +461,7 @@ def two_ranks_from_different_seeds(rank, folder):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.mechanics.distributed import DistInfo, data_parallel, gathered, to_item
+    from trainer.mechanics.distributed import DistInfo, data_parallel, gathered
     from trainer.mechanics.distributed import whole as made_whole
     from trainer.mechanics.optimizers import adamw
     from trainer.trainer_utils import NonFiniteSteps, not_finite
@@ -484,15 +484,15 @@ def two_ranks_from_different_seeds(rank, folder):
             p.grad = torch.zeros_like(p)
         if rank == 1:
             params[0].grad.to_local()[0] = float("inf")
-        # as the stages' loops do: the gradients clipped by their global norm, the update only where it is finite
-        grad_norm = to_item(torch.nn.utils.clip_grad_norm_(params, 1.0))
+        # as the stages' loops did: the gradients clipped by their global norm, read, the update only where finite
+        grad_norm = made_whole(torch.nn.utils.clip_grad_norm_(params, 1.0)).item()
         skipped = guard.skip(1.0, grad_norm, 1)
         if skipped is None:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         assert skipped is not None and not math.isfinite(grad_norm) and guard.in_a_row == 1
         assert all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
-        # as the LoRA and full fine-tune loops do now: the skip decided on the device, fused AdamW reading it
+        # as every stage's loop does now: the skip decided on the device, fused AdamW reading it
         fused = adamw(params, 0.1, 0.0)
         for p in params:
             p.grad = torch.zeros_like(p)

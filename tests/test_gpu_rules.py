@@ -17,7 +17,7 @@ from model.precision import StagePrecision, resolve_dtype, resolve_frozen_dtype,
 from model.token_routing import to_device
 from trainer import networks, trainer_utils
 from trainer.mechanics import distributed
-from trainer.mechanics.distributed import DistInfo, data_parallel, init_distributed, mean_and_any
+from trainer.mechanics.distributed import DistInfo, any_process, data_parallel, init_distributed, mean_over_processes
 from trainer.mechanics.ema import EMA
 from trainer.mechanics.position import data_workers
 
@@ -190,9 +190,11 @@ def test_random_draws_reach_the_gpu_without_making_the_host_wait(monkeypatch):
     assert to_device(drawn, torch.device("cpu")) is drawn and calls == []  # already there: no copy
 
 
-def test_the_logged_losses_are_read_once_a_step():
+def test_the_logged_losses_stay_on_the_device_and_one_process_stops_alone():
     total = torch.tensor(0.75, dtype=torch.float64) + torch.tensor(0.25, dtype=torch.float64)
-    assert mean_and_any([total / 2], True, DistInfo()) == ([0.5], True)
+    mean = mean_over_processes(total / 2, DistInfo())
+    assert isinstance(mean, torch.Tensor) and mean.dtype == torch.float64 and mean.item() == 0.5
+    assert any_process(True, DistInfo()) is True and any_process(False, DistInfo()) is False
 
 
 class HostReads:

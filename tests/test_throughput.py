@@ -75,10 +75,13 @@ def test_between_two_log_steps_pretraining_dpo_and_distillation_read_nothing_fro
                                               "--pair_sample_steps", "2", "--sample_steps", "1"]),
             "distill": ("trainer/train_distill.py", ["--from_weight", pretrained, "--num_samples", "16",
                                                     "--gen_update_ratio", "2"])}
+    metrics = os.path.join(REPO, "trainer", "mechanics", "metrics.py")
+    log_line = next(n for n, text in enumerate(open(metrics, encoding="utf-8"), 1) if "torch.stack(tensors).tolist()"
+                    in text)  # StepRows.read: the steps since the last log step, read at once
     for label, (script, extra) in runs.items():
         summary = run(script, common + extra + ["--save_dir", str(tmp_path / label)])
         reads = dict(summary["step_lines"])
-        log_read = reads.pop("trainer/mechanics/metrics.py:108 (Tensor.tolist)", 0)
+        log_read = reads.pop(f"trainer/mechanics/metrics.py:{log_line} (Tensor.tolist)", 0)
         assert summary["code"] == 0 and log_read == 1, (label, summary)  # the log step: four steps read at once
         if label == "distill":
             guidance = [where for where in reads if where.startswith("trainer/distillation.py:")]

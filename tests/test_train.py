@@ -288,6 +288,38 @@ def test_loss_nan_every_step_stops_with_a_clear_error(tmp_path, monkeypatch):
         _train_tiny(tmp_path, NaNImages(16, bad=range(16)), steps=20, monkeypatch=monkeypatch)
 
 
+def test_a_log_step_checks_each_network_a_step_stepped_in_turn_and_logs_before_it_ends_the_run():
+    """StepRows and write_steps (every stage's log step): the steps' values and their (loss, gradient norm) checks
+    read at once; a step with any check not finite gets a warning for each such check, in the order the networks
+    stepped, and no row; the guard counts the checks not finite in a row, across networks and steps, and at its
+    limit ends the run with the warnings before it logged."""
+    import math
+    import time
+    from types import SimpleNamespace
+
+    from trainer.mechanics.metrics import StepRows
+    from trainer.trainer_utils import NonFiniteSteps, write_steps
+
+    one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
+    stepped = [[(one, torch.tensor(2.0))], [(one, nan), (one, torch.tensor(3.0)), (nan, nan)], [(nan, nan), (nan, one)]]
+    rows = StepRows()
+    for step, checks in enumerate(stepped, 1):
+        rows.add(SimpleNamespace(step=step, epoch=0, samples_seen=2 * step), {"loss": checks[0][0], "lr": 0.1},
+                 checks, 1.0, time.perf_counter())
+    read = rows.read()
+    assert [r.values["lr"] for r in read] == [0.1] * 3 and read[0].values["loss"] == 1.0
+    assert read[0].checks == [(1.0, 2.0)] and read[1].checks[1] == (1.0, 3.0) and math.isnan(read[1].checks[2][0])
+    lines, written = [], []
+    metrics = SimpleNamespace(log=lines.append, write=lambda at, values, rate, skipped, ids: written.append(
+        (at.step, skipped)))
+    with pytest.raises(UserError, match="not finite for 3 steps in a row"):
+        write_steps(read, NonFiniteSteps("ckpt", limit=3), metrics, SimpleNamespace(rates=lambda f, s: {}), 2)
+    assert written == [(1, False), (2, True)]  # the third step ended the run before its row
+    assert lines == ["warning: gradient norm is nan at step 2; update skipped (1 in a row)",
+                     "warning: loss is nan at step 2; update skipped (1 in a row)",  # (the finite one between)
+                     "warning: loss is nan at step 3; update skipped (2 in a row)"]
+
+
 def test_muon_skips_its_step_where_the_loop_flags_it_not_finite():
     """--optimizer muon's Muon (SkippingMuon): where the loop's flag (found_inf) is 1, nothing moves, its momentum
     neither; where it is 0, its step is torch's Muon's, bit for bit."""

@@ -116,7 +116,7 @@ def parse_args(argv=None):
     # 0.1) stays off: our head does not shard, and the two trained copies of a published model need --fsdp 1
     parser.set_real_model_defaults(learning_rate=1e-6, weight_decay=0.0, real_guidance=4.0, gen_update_ratio=10,
                                    ema_decay=0.0, batch_size=1, resolution=1024,
-                                   gradient_checkpointing="auto")
+                                   gradient_checkpointing="auto", log_interval=10)
     return parser.parse_args(argv)
 
 

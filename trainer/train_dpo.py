@@ -289,8 +289,8 @@ def accumulate(args, batches, learner, generator, throughput):
 
 def train(args, info, position, data, learner, out, rounds):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal; with
-    --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`). Between two log steps
-    (--log_interval) nothing is read to the host: a GPU runs ahead."""
+    --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`: its images drawn, scored on the
+    host). Between two log steps (--log_interval) nothing else is read to the host: a GPU runs ahead."""
     metrics, log, ema = out.metrics, out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round

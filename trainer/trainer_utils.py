@@ -154,13 +154,13 @@ class NonFiniteSteps:
         self.save_dir, self.limit, self.in_a_row = save_dir, limit, 0
 
     def skip(self, loss, grad_norm, step):
-        """-> None when the update may go on (`grad_norm` None: not computed, the loss was not finite), else the
-        warning to log."""
-        if grad_norm is not None and math.isfinite(loss) and math.isfinite(grad_norm):
+        """-> None when the update went on (the loss and the gradient norm, numbers, both finite), else the warning
+        to log."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
             self.in_a_row = 0
             return None
         self.in_a_row += 1
-        what = f"loss is {loss}" if grad_norm is None or not math.isfinite(loss) else f"gradient norm is {grad_norm}"
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm}"
         if self.in_a_row >= self.limit:
             raise UserError(f"loss was not finite for {self.in_a_row} steps in a row (at step {step} the {what}; "
                             f"last good save in {self.save_dir}): lower --learning_rate or check the data")
@@ -210,11 +210,14 @@ def write_steps(steps, guard, metrics, throughput, global_batch):
     that was not finite (`guard`: NonFiniteSteps, which checks them in the order they were stepped and ends the run
     after many in a row)."""
     for step in steps:
-        warnings = [guard.skip(loss, grad_norm, step.at.step) for loss, grad_norm in step.checks]
-        for warning in filter(None, warnings):
-            metrics.log(warning)
+        skipped = False
+        for loss, grad_norm in step.checks:
+            warning = guard.skip(loss, grad_norm, step.at.step)  # (logged at once: the next may end the run)
+            if warning:
+                metrics.log(warning)
+                skipped = True
         metrics.write(step.at, {**step.values, **throughput.rates(step.flops, step.seconds)},
-                      global_batch / step.seconds, any(warnings), step.ids)
+                      global_batch / step.seconds, skipped, step.ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -119,16 +119,6 @@ def shard_mesh(device, world, shard_size, timeout):
                             backend_override=override)
 
 
-def mean_and_any(values, flag, info):
-    """(the means over ranks of `values`, numbers or scalar tensors on the device (a step's losses, summed there),
-    whether `flag` is set on any rank), in one all-reduce and one read to the host: the step's one sync."""
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=info.device) for v in [*values, float(flag)]])
-    if info.world_size > 1:
-        dist.all_reduce(t)
-    *means, flagged = t.tolist()
-    return [v / info.world_size for v in means], flagged > 0
-
-
 def mean_over_processes(value, info):
     """The mean over processes of `value`, a scalar tensor on the device (a step's loss, summed there), in float64,
     all-reduced on the device: nothing waits for it (the loop reads it at its log step)."""
@@ -280,11 +270,6 @@ def whole(value):
     """A scalar tensor made whole if it is a DTensor (e.g. a norm of sharded gradients), else itself: on the
     device, no read."""
     return value.full_tensor() if is_dtensor(value) else value
-
-
-def to_item(value):
-    """A scalar tensor's number, made whole first if it is a DTensor (e.g. a norm of sharded gradients)."""
-    return whole(value).item()
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ FORWARDED_SECONDS = 2.0
 
 class StopSignal:
     """SIGTERM and SIGINT (what schedulers send before pre-emption, and Ctrl-C) only set `received`: the loop
-    saves at the next step boundary where it reads (every step, or each log step of the LoRA and full fine-tune
-    loops: --log_interval) and returns, so every rank exits 0. A second Ctrl-C stops at once (under
+    saves at the next step boundary where it reads (each log step: --log_interval; one process alone at the end of
+    the step in progress) and returns, so every rank exits 0. A second Ctrl-C stops at once (under
     torchrun, one FORWARDED_SECONDS or more after the first)."""
 
     def __init__(self):
