@@ -302,18 +302,22 @@ def test_a_log_step_checks_each_network_a_step_stepped_in_turn_and_logs_before_i
 
     one, nan = torch.tensor(1.0), torch.tensor(float("nan"))
     stepped = [[(one, torch.tensor(2.0))], [(one, nan), (one, torch.tensor(3.0)), (nan, nan)], [(nan, nan), (nan, one)]]
-    rows = StepRows()
-    for step, checks in enumerate(stepped, 1):
-        rows.add(SimpleNamespace(step=step, epoch=0, samples_seen=2 * step), {"loss": checks[0][0], "lr": 0.1},
-                 checks, 1.0, time.perf_counter())
-    read = rows.read()
+    def added():  # the three steps, as a loop adds them
+        rows = StepRows()
+        for step, checks in enumerate(stepped, 1):
+            rows.add(SimpleNamespace(step=step, epoch=0, samples_seen=2 * step), {"loss": checks[0][0], "lr": 0.1},
+                     checks, 1.0, time.perf_counter())
+        return rows
+
+    read = added().read()
     assert [r.values["lr"] for r in read] == [0.1] * 3 and read[0].values["loss"] == 1.0
     assert read[0].checks == [(1.0, 2.0)] and read[1].checks[1] == (1.0, 3.0) and math.isnan(read[1].checks[2][0])
     lines, written = [], []
     metrics = SimpleNamespace(log=lines.append, write=lambda at, values, rate, skipped, ids: written.append(
         (at.step, skipped)))
+    out = SimpleNamespace(metrics=metrics, throughput=SimpleNamespace(rates=lambda f, s: {}))
     with pytest.raises(UserError, match="not finite for 3 steps in a row"):
-        write_steps(read, NonFiniteSteps("ckpt", limit=3), metrics, SimpleNamespace(rates=lambda f, s: {}), 2)
+        write_steps(added(), NonFiniteSteps("ckpt", limit=3), out, None, 2)
     assert written == [(1, False), (2, True)]  # the third step ended the run before its row
     assert lines == ["warning: gradient norm is nan at step 2; update skipped (1 in a row)",
                      "warning: loss is nan at step 2; update skipped (1 in a row)",  # (the finite one between)

@@ -268,7 +268,7 @@ def step_network(args, net, optimizer, loss):
 def train(args, info, position, data, learner, out):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal. Between two
     log steps (--log_interval) nothing is read to the host: a GPU runs ahead."""
-    metrics, nets, opt, ema = out.metrics, learner.nets, learner.optimizers, learner.ema
+    nets, opt, ema = learner.nets, learner.optimizers, learner.ema
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
@@ -307,11 +307,9 @@ def train(args, info, position, data, learner, out):
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
-                steps = rows.read()  # every step's values since the last log step, at once
-                if validating:
-                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
-                # each step's row, or the warnings of the networks skipped as not finite (many in a row: the end)
-                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+                # every step's values since the last log step read at once, the validation loss on the last if
+                # due; each step's row, or the warnings of the networks skipped as not finite (many: the end)
+                write_steps(rows, guard, out, data.validation if validating else None, position.global_batch)
             if saving or stopping:
                 # the resume checkpoint, then what other tools read (the generator's EMA, else its weights); older
                 # ones deleted

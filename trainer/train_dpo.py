@@ -291,7 +291,7 @@ def train(args, info, position, data, learner, out, rounds):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal; with
     --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`: its images drawn, scored on the
     host). Between two log steps (--log_interval) nothing else is read to the host: a GPU runs ahead."""
-    metrics, log, ema = out.metrics, out.metrics.log, learner.ema
+    log, ema = out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     trained = LoRAWeights(learner.model) if args.lora_rank else learner.model  # what is exported
@@ -325,11 +325,9 @@ def train(args, info, position, data, learner, out, rounds):
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
-                steps = rows.read()  # every step's values since the last log step, at once
-                if validating:
-                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
-                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
-                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+                # every step's values since the last log step read at once, the validation loss on the last if
+                # due; each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(rows, guard, out, data.validation if validating else None, position.global_batch)
             if saving or stopping:
                 # the resume checkpoint, then what other tools read (the EMA, else the policy); older ones deleted
                 save_step(out, ema or trained, position, info, stopping)

@@ -238,7 +238,7 @@ def train(args, info, position, data, learner, out, fused):
     """The loop, from `position` to the end of the schedule or a stop signal; `fused`: the StepInBackward that steps
     each parameter in backward, or None. Between log steps nothing is read to the host: a GPU runs ahead (with
     --cuda_graph 1, learner.graphs: each shape's step captured at its third step, replayed after)."""
-    metrics, log, ema, params = out.metrics, out.metrics.log, learner.ema, list(learner.model.parameters())
+    log, ema, params = out.metrics.log, learner.ema, list(learner.model.parameters())
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
     graphs = learner.graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
@@ -274,11 +274,9 @@ def train(args, info, position, data, learner, out, fused):
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
-                steps = rows.read()  # every step's values since the last log step, at once
-                if validating:
-                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
-                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
-                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+                # every step's values since the last log step read at once, the validation loss on the last if
+                # due; each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(rows, guard, out, data.validation if validating else None, position.global_batch)
             if saving or stopping:
                 log_peak(info, f"step {position.step}", log)  # what a save adds to it: the line after it
                 # the resume checkpoint, then what other tools read (the EMA, else the weights); older ones deleted;

@@ -247,7 +247,7 @@ def accumulate(args, inputs, learner, info):
 def train(args, info, position, data, learner, out):
     """The loop, from `position` to the end of the schedule or a stop signal. Between two log steps (--log_interval)
     nothing is read to the host; with --cuda_graph 1 each shape's step is captured at its third and replayed after."""
-    metrics, log, ema, adapters = out.metrics, out.metrics.log, learner.ema, LoRAWeights(learner.model, learner.text)
+    log, ema, adapters = out.metrics.log, learner.ema, LoRAWeights(learner.model, learner.text)
     params = [p for optimizer in learner.optimizers for g in optimizer.param_groups for p in g["params"]]  # adapters
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
     graphs = learner.graphs.prepare(learner.optimizers)  # after the resume: its rates in tensors a graph reads
@@ -284,11 +284,9 @@ def train(args, info, position, data, learner, out):
             if saving or validating or position.step % args.log_interval == 0 or stop.received and info.world_size == 1:
                 # a log step, where the host reads; processes agree to stop here (one alone stops at once)
                 stopping = any_process(stop.received is not None, info)
-                steps = rows.read()  # every step's values since the last log step, at once
-                if validating:
-                    steps[-1].values["val_loss"] = out.previews.validation_loss(data.validation)
-                # each step's row, or the warning of one skipped as not finite (many in a row: the end)
-                write_steps(steps, guard, metrics, out.throughput, position.global_batch)
+                # every step's values since the last log step read at once, the validation loss on the last if
+                # due; each step's row, or the warning of one skipped as not finite (many in a row: the end)
+                write_steps(rows, guard, out, data.validation if validating else None, position.global_batch)
             if saving or stopping:
                 # the resume checkpoint, then the LoRA file (the EMA's adapters, else their own); older ones deleted
                 save_step(out, ema or adapters, position, info, stopping)

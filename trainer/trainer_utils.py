@@ -204,20 +204,24 @@ def step_inputs(batches, learner, generator, throughput, training_text=True):
     return inputs if learner.text else list(inputs), sum(throughput.flops(batch).model for batch in batches)
 
 
-def write_steps(steps, guard, metrics, throughput, global_batch):
-    """The steps read at a log step (StepRows.read): each one's row in the metrics, with its FLOP/s and images a
-    second, or, for one whose update was skipped on the device, the guard's warning for each (loss, gradient norm)
-    that was not finite (`guard`: NonFiniteSteps, which checks them in the order they were stepped and ends the run
-    after many in a row)."""
+def write_steps(rows, guard, out, validation, global_batch):
+    """A log step's writing: the steps since the last one (`rows`: StepRows) read at once, the validation loss of
+    `validation` (its batches, or None when not due) on the last of them, then each step's row in the metrics with
+    its FLOP/s and images a second, or, for one whose update was skipped on the device, the guard's warning for
+    each (loss, gradient norm) that was not finite (`guard`: NonFiniteSteps, which checks them in the order they
+    were stepped and ends the run after many in a row)."""
+    steps = rows.read()
+    if validation is not None:
+        steps[-1].values["val_loss"] = out.previews.validation_loss(validation)
     for step in steps:
         skipped = False
         for loss, grad_norm in step.checks:
             warning = guard.skip(loss, grad_norm, step.at.step)  # (logged at once: the next may end the run)
             if warning:
-                metrics.log(warning)
+                out.metrics.log(warning)
                 skipped = True
-        metrics.write(step.at, {**step.values, **throughput.rates(step.flops, step.seconds)},
-                      global_batch / step.seconds, skipped, step.ids)
+        out.metrics.write(step.at, {**step.values, **out.throughput.rates(step.flops, step.seconds)},
+                          global_batch / step.seconds, skipped, step.ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------
