@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import cpu_bf16_speedup  # noqa: E402
+from model.recompute import compile_block  # noqa: E402
 
 
 def make_optimizer(model, kind, lr=1e-3):
@@ -32,7 +33,7 @@ def make_variant(preset, dtype, optimizer, compiled):
     model = SD3Light(preset_config(preset)).train()
     if compiled:
         for block in model.transformer_blocks:
-            block.forward = torch.compile(block.forward)
+            compile_block(block)
     return {"model": model, "bf16": dtype == "bf16", "optimizers": make_optimizer(model, optimizer)}
 
 

@@ -50,6 +50,7 @@ from model.memory import GIB, MemoryPlan, fitted_plan, kept_value_bytes  # noqa:
 from model.model_lora import apply_lora, lora_parameters, resolve_targets  # noqa: E402
 from model.model_sd3light import SD3Light, preset_config  # noqa: E402
 from model.precision import import_torchao  # noqa: E402
+from model.recompute import compile_block  # noqa: E402
 from model.step_graphs import StepGraphs  # noqa: E402
 from model.rectified_flow import add_noise, flow_loss, predict_velocity  # noqa: E402
 from model.token_routing import TokenRouting  # noqa: E402
@@ -81,6 +82,7 @@ CONFIGS = {c.name: c for c in [
     Config("lora", 1, "all"), Config("lora", 1, "auto"), Config("lora", 1, "none"),
     Config("lora", 1, "none", route=0.5), Config("lora", 1, "none", compile=True),
     Config("lora", 1, "none", route=0.5, compile=True),
+    Config("lora", 1, "all", compile=True),
     Config("lora", 4, "all"), Config("lora", 4, "auto"), Config("lora", 4, "auto", compile=True),
     Config("lora", 4, "auto", route=0.5, compile=True),
     Config("diffusers", 1, "all"), Config("diffusers", 1, "none"), Config("diffusers", 4, "all"),
@@ -88,6 +90,7 @@ CONFIGS = {c.name: c for c in [
     Config("sft", 1, "auto", compile=True),
     Config("sft", 2, "auto", compile=True),
     Config("lora", 1, "none", graph=True), Config("lora", 4, "auto", graph=True),
+    Config("lora", 4, "auto", compile=True, graph=True),
     Config("sft", 1, "auto", flat=True, graph=True),
 ]}
 INPUT_NAMES = ("latents", "text", "pooled", "sigmas", "noise")  # a step's inputs (step_inputs), as a graph keeps them
@@ -138,7 +141,7 @@ def build_model(config, settings, device):
         params = list(model.parameters())
     if settings.compile:
         for block in model.transformer_blocks:
-            block.forward = torch.compile(block.forward)
+            compile_block(block)
     return model, params
 
 

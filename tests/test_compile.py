@@ -15,6 +15,7 @@ import trainer.train_full_sft as train_full_sft
 import trainer.train_lora as train_lora
 from model.model_lora import apply_lora, lora_parameters
 from model.model_sd3light import SD3Light
+from model.recompute import compile_block
 from model.token_routing import TokenRouting
 from trainer import preference
 from tests.conftest import CONFIGS, QUIET, compiled_as_captured, inputs, randomise
@@ -48,7 +49,7 @@ def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
         models.append(model)
     eager, compiled = models
     for block in compiled.transformer_blocks:
-        block.forward = torch.compile(block.forward)
+        compile_block(block)
     x = inputs(config, (4, 4))
     route = TokenRouting.for_model(config, 0.5, 1, -2).draw(x[0], torch.Generator().manual_seed(0)) \
         if "routed" in kind else None
@@ -63,6 +64,49 @@ def test_a_compiled_step_computes_what_the_eager_step_does(kind, compiler):
     for (name, p), q in zip(trained, [q for q in compiled.parameters() if q.requires_grad]):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert compiler["stats"]["unique_graphs"] >= 3  # a block, the dual-attention one, the last: compiled
+
+
+@pytest.mark.slow  # compiles: seconds
+def test_a_compiled_block_is_recomputed_inside_its_compiled_region(compiler, monkeypatch):
+    """--compile 1 with every block recomputed: the compiled backward recomputes each block itself, so after the
+    step that compiles no torch checkpoint runs (around a compiled block it ran a Python pack and unpack hook for
+    each tensor the block keeps). Forward keeps the activations the eager recompute keeps (the blocks' inputs), and
+    for each attention the random-number state, which the compiler saves for any operation that may draw (here the
+    CPU generator's 5,056 bytes; a CUDA generator's is its seed and offset)."""
+    config = CONFIGS["sd3.5-medium-like"]
+    models = [randomise(SD3Light(config, gradient_checkpointing=True), seed=3) for _ in range(2)]
+    eager, compiled = models
+    for block in compiled.transformer_blocks:
+        compile_block(block)
+    x = inputs(config, (4, 4))
+    compiled(*x).square().mean().backward()  # compiles
+    compiled.zero_grad()
+    checkpoints = []
+    generator = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+    monkeypatch.setattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator",
+                        lambda *a, **k: checkpoints.append(1) or generator(*a, **k))
+    kept = []
+    for model in models:
+        weights = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        saved = []
+
+        def pack(t):
+            if t.data_ptr() not in weights:
+                saved.append((t.dtype, t.numel() * t.element_size()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(*x).square().mean()
+        loss.backward()
+        kept.append(saved)
+    activations = [[n for dtype, n in saved if dtype.is_floating_point] for saved in kept]
+    states = [n for dtype, n in kept[1] if not dtype.is_floating_point]
+    attentions = sum(2 if block.attn2 is not None else 1 for block in compiled.transformer_blocks)
+    assert checkpoints == [] and activations[1] == activations[0], (checkpoints, activations)
+    assert len(states) == attentions and set(states) == {torch.get_rng_state().numel()}
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert not compiler["graph_break"] and compiler["stats"]["unique_graphs"] >= 3
 
 
 def test_every_fine_tune_stage_trains_compiled(tmp_path, pretrained_small, monkeypatch):

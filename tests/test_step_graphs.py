@@ -80,9 +80,9 @@ def test_the_flow_loss_is_its_host_draws_then_its_device_work():
 
 
 def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients():
-    """model/recompute.Recomputed on plain blocks; a compiled block's own forward keeps torch's checkpoint. A LoRA's
-    first block takes no input that needs a gradient: its adapters get theirs all the same; dropout's draws are
-    replayed in the recompute."""
+    """model/recompute.Recomputed on plain blocks; a block with a forward of its own (not compile_block's) keeps
+    torch's checkpoint. A LoRA's first block takes no input that needs a gradient: its adapters get theirs all the
+    same; dropout's draws are replayed in the recompute."""
     config = CONFIGS["sd3.5-medium-like"]
     grads = {}
     for recomputed in (False, True, "torch"):
@@ -92,7 +92,7 @@ def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients():
         for p in lora_parameters(model):
             p.data.normal_(std=0.1)
         model.gradient_checkpointing = recomputed is not False
-        if recomputed == "torch":  # an instance forward (as torch.compile sets): torch's checkpoint
+        if recomputed == "torch":  # an instance forward compile_block did not set: torch's checkpoint
             for block in model.transformer_blocks:
                 block.forward = block.forward
         torch.manual_seed(7)

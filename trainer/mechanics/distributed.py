@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from model.errors import UserError
+from model.recompute import compile_block
 from trainer.mechanics.state import chunk_of, fresh_like, leaves, map_leaves
 
 
@@ -185,14 +186,15 @@ def leave_together(info):
 
 def data_parallel(model, info, compile_blocks=False, mixed_precision=None):
     """-> the module to train: `model` itself (one process, or sharded in place with info.mesh), or DDP around it.
-    `compile_blocks`: torch.compile each block's forward (FSDP's hooks stay outside the graph). `mixed_precision`:
-    the dtype FSDP computes in (bf16 on GPUs), gradients still reduced in fp32. A frozen model (a teacher) needs
-    no DDP; under FSDP it is sharded like the rest. A model without transformer blocks is one shard group."""
+    `compile_blocks`: torch.compile each block's forward with its recompute inside (model/recompute.compile_block;
+    FSDP's hooks stay outside the graph). `mixed_precision`: the dtype FSDP computes in (bf16 on GPUs), gradients
+    still reduced in fp32. A frozen model (a teacher) needs no DDP; under FSDP it is sharded like the rest. A model
+    without transformer blocks is one shard group."""
     blocks = getattr(model, "transformer_blocks", ())
     if compile_blocks:
         recompiles_said()
         for block in blocks:
-            block.forward = torch.compile(block.forward)
+            compile_block(block)
     if info.mesh is None:
         from torch.nn.parallel import DistributedDataParallel
 
