@@ -524,11 +524,12 @@ class SD3Light(nn.Module):
     def recomputed(self, block, x, context, temb, anchor):
         """block(x, context, temb), recomputed in backward: a plain block (its own class and forward, not swapped) by
         model/recompute.Recomputed, one autograd node; a compiled one by the compiler (model/recompute.compile_block);
-        a sharded or swapped one by torch's non-reentrant checkpoint, whose hooks FSDP and block swap expect."""
+        a sharded one not compiled, or any swapped one, by torch's non-reentrant checkpoint, whose hooks FSDP and
+        block swap expect."""
         if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
             return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
         if self.block_swap is None and getattr(block.forward, "recomputes_inside", False):
-            return block(x, context, temb, recompute=True)
+            return block(x, context, temb, recompute=True, random=draws_random(block))
         # the random state kept only where the block draws: a CUDA graph cannot capture the read of it
         return checkpoint(block, x, context, temb, use_reentrant=False, preserve_rng_state=draws_random(block))
 

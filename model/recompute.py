@@ -9,8 +9,9 @@ it, then backpropagates through that copy alone: torch's reentrant variant, writ
 
 SD3Light uses it for plain blocks only. A compiled block (`compile_block`) is recomputed by the compiler: torch's
 checkpoint inside the compiled region, so the compiled backward recomputes the block itself (torchtitan's order:
-checkpoint, then compile). A swapped block (model/block_swap.py), whose hooks must run again for the recompute, keeps
-torch's non-reentrant checkpoint around it.
+checkpoint, then compile). A sharded block that is not compiled (FSDP's hooks) and a swapped block
+(model/block_swap.py), whose hooks must run again for the recompute, keep torch's non-reentrant checkpoint around
+the module's call.
 """
 import functools
 
@@ -74,15 +75,17 @@ def compile_block(block):
     compiled region: the compiler saves the block's inputs, and its backward graph recomputes what it needs (no
     pack or unpack hook in Python, about 120 each a block a step around a compiled block, and no second call of the
     compiled forward). Called through the module, so FSDP's hooks stay outside the graph and gather the weights
-    for forward and backward alike."""
-    compiled = torch.compile(functools.partial(recomputed_inside, block.forward))
-    compiled.recomputes_inside = True
-    block.forward = compiled
+    for forward and backward alike. A block recomputed and one not are two graphs of each kind of block."""
+    forward = functools.partial(torch.compile(recomputed_inside), block.forward)
+    forward.recomputes_inside = True
+    block.forward = forward
 
 
-def recomputed_inside(forward, x, context, temb, recompute=False):
+def recomputed_inside(forward, x, context, temb, recompute=False, random=False):
+    """forward(x, context, temb), recomputed in backward where `recompute`; `random`: the block draws (dropout)."""
     if not recompute:
         return forward(x, context, temb)
-    # the compiler keeps the random state itself: before each operation that may draw (a dropout, an attention) it
-    # saves the generator's state and replays it in the recompute
-    return checkpoint(forward, x, context, temb, use_reentrant=False, preserve_rng_state=False)
+    # compiled, the compiler keeps the random state itself: it saves the generator's state before each operation
+    # that may draw (a dropout, an attention) and replays it in the recompute; `random` keeps it too where this runs
+    # uncompiled (past Dynamo's recompile limit), or a dropout would draw other masks in the recompute
+    return checkpoint(forward, x, context, temb, use_reentrant=False, preserve_rng_state=random)

@@ -10,6 +10,7 @@ import trainer.train_lora as train_lora
 from model.errors import UserError
 from model.model_lora import apply_lora, lora_layers, lora_parameters
 from model.model_sd3light import SD3Light
+from model.recompute import compile_block
 from model.rectified_flow import FlowRecipe, flow_inputs, flow_loss_of, flow_matching_loss
 from tests.scripts import run_in_process
 from tests.conftest import CONFIGS, inputs, random_config, randomise
@@ -20,7 +21,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
 def refusal(**changes):
     values = dict(device=CUDA, world_size=1, blocks_swapped=False, step_in_backward=False, routing=False,
-                  dropout_recomputed=False)
+                  dropout_recomputed=False, compiled_recomputed=False)
     return graphs_refusal(**{**values, **changes})
 
 
@@ -28,7 +29,8 @@ def test_which_steps_a_graph_may_capture_and_the_one_line_of_those_it_may_not():
     assert refusal() is None
     for change, words in [({"device": CPU}, "CUDA GPU"), ({"world_size": 2}, "several processes"),
                           ({"blocks_swapped": True}, "block swap"), ({"step_in_backward": True}, "step in backward"),
-                          ({"routing": True}, "token routing"), ({"dropout_recomputed": True}, "LoRA dropout")]:
+                          ({"routing": True}, "token routing"), ({"dropout_recomputed": True}, "LoRA dropout"),
+                          ({"compiled_recomputed": True}, "compiled blocks recomputed")]:
         assert words in refusal(**change)
     assert graphs_choice("1", None, CUDA) == (True, None)
     with pytest.raises(UserError) as error:
@@ -79,13 +81,14 @@ def test_the_flow_loss_is_its_host_draws_then_its_device_work():
     assert torch.equal(flow_loss_of(model, drawn, recipe), whole)
 
 
-def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients():
+def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients(monkeypatch):
     """model/recompute.Recomputed on plain blocks; a block with a forward of its own (not compile_block's) keeps
     torch's checkpoint. A LoRA's first block takes no input that needs a gradient: its adapters get theirs all the
-    same; dropout's draws are replayed in the recompute."""
+    same; dropout's draws are replayed in the recompute. So they are in a compiled block's recompute where Dynamo
+    runs it uncompiled (past its recompile limit): compile_block's path with torch.compile doing nothing."""
     config = CONFIGS["sd3.5-medium-like"]
     grads = {}
-    for recomputed in (False, True, "torch"):
+    for recomputed in (False, True, "torch", "uncompiled"):
         model = randomise(SD3Light(config), seed=5)
         apply_lora(model, rank=4, dropout=0.2)
         torch.manual_seed(1)
@@ -95,13 +98,19 @@ def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients():
         if recomputed == "torch":  # an instance forward compile_block did not set: torch's checkpoint
             for block in model.transformer_blocks:
                 block.forward = block.forward
+        if recomputed == "uncompiled":
+            with monkeypatch.context() as patch:
+                patch.setattr(torch, "compile", lambda function: function)
+                for block in model.transformer_blocks:
+                    compile_block(block)
         torch.manual_seed(7)
         model(*inputs(config, (3, 3))).square().mean().backward()
         grads[recomputed] = [p.grad for p in lora_parameters(model)]
     assert all(g is not None for g in grads[True])
-    for mine, plain, torchs in zip(grads[True], grads[False], grads["torch"]):
+    for mine, plain, torchs, uncompiled in zip(grads[True], grads[False], grads["torch"], grads["uncompiled"]):
         torch.testing.assert_close(mine, plain, rtol=0, atol=1e-6)
         torch.testing.assert_close(mine, torchs, rtol=0, atol=1e-6)
+        torch.testing.assert_close(uncompiled, plain, rtol=0, atol=1e-6)
 
 
 def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained, monkeypatch):

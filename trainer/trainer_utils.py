@@ -180,9 +180,10 @@ def run_graphs(choice, info, model, routing, step_in_backward, log):
     `routing`: the recipe's TokenRouting; `step_in_backward`: the full fine-tune's parameters stepped in backward
     (not captured)."""
     dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    recomputed = model.gradient_checkpointing not in (False, 0)
+    compiled = any(getattr(block.forward, "recomputes_inside", False) for block in model.transformer_blocks)
     refusal = graphs_refusal(info.device, info.world_size if not info.sharded else 2, model.block_swap is not None,
-                             step_in_backward, routing.ratio > 0,
-                             dropout and model.gradient_checkpointing not in (False, 0))
+                             step_in_backward, routing.ratio > 0, dropout and recomputed, compiled and recomputed)
     on, line = graphs_choice(choice, refusal, info.device)
     if line is not None:
         log(line)

@@ -231,9 +231,9 @@ RECOMPILE_LIMIT = 64
 
 def recompiles_said():
     """The blocks share one compiled forward, recompiled for each kind of block (normal, last, dual attention),
-    weight dtype and bucket shape, and for routed blocks' fewer tokens. Past Dynamo's limit (8) the rest would run
-    uncompiled without a word: the limit is raised to what a run meets, and each recompile is logged with its
-    reason (Dynamo's 'Recompiling' lines)."""
+    recomputed in backward or not, weight dtype and bucket shape, and for routed blocks' fewer tokens. Past
+    Dynamo's limit (8) the rest would run uncompiled without a word: the limit is raised to what a run meets, and
+    each recompile is logged with its reason (Dynamo's 'Recompiling' lines)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._logging.set_logs(recompiles=True)
 
