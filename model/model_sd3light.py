@@ -522,10 +522,10 @@ class SD3Light(nn.Module):
         return x.reshape(B, C, H, W)
 
     def recomputed(self, block, x, context, temb, anchor):
-        """block(x, context, temb), recomputed in backward: a plain block (its own class and forward, not swapped) by
-        model/recompute.Recomputed, one autograd node; a compiled one by the compiler (model/recompute.compile_block);
-        a sharded one not compiled, or any swapped one, by torch's non-reentrant checkpoint, whose hooks FSDP and
-        block swap expect."""
+        """block(x, context, temb), recomputed in backward. Without block swap: a plain block (its own class and
+        forward) by model/recompute.Recomputed, one autograd node; a compiled one by the compiler
+        (model/recompute.compile_block). A sharded one not compiled, and every block of a model with block swap, by
+        torch's non-reentrant checkpoint, whose hooks FSDP and block swap expect."""
         if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
             return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
         if self.block_swap is None and getattr(block.forward, "recomputes_inside", False):

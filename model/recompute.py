@@ -7,11 +7,11 @@ it, then backpropagates through that copy alone: torch's reentrant variant, writ
 (x, context, temb) -> (x, context) and for blocks whose inputs need no gradient (a LoRA's frozen first block: the
 `anchor` puts the node in the graph). The parameters' gradients accumulate inside that backward.
 
-SD3Light uses it for plain blocks only. A compiled block (`compile_block`) is recomputed by the compiler: torch's
-checkpoint inside the compiled region, so the compiled backward recomputes the block itself (torchtitan's order:
-checkpoint, then compile). A sharded block that is not compiled (FSDP's hooks) and a swapped block
-(model/block_swap.py), whose hooks must run again for the recompute, keep torch's non-reentrant checkpoint around
-the module's call.
+In a model without block swap, SD3Light uses it for plain blocks only; a compiled block (`compile_block`) is
+recomputed by the compiler: torch's checkpoint inside the compiled region, so the compiled backward recomputes the
+block itself (torchtitan's order: checkpoint, then compile). A sharded block that is not compiled (FSDP's hooks),
+and every block of a model with block swap (model/block_swap.py, whose hooks must run again for the recompute),
+keep torch's non-reentrant checkpoint around the module's call.
 """
 import functools
 
