@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from model.file_io import atomic_write_text
-from model.recompute import Recomputed, draws_random
+from model.recompute import Recomputed, compiled_by_compile_block, draws_random
 
 # ----------------------------------------------------------------------------------------------------------------
 # Config and presets
@@ -528,7 +528,7 @@ class SD3Light(nn.Module):
         torch's non-reentrant checkpoint, whose hooks FSDP and block swap expect."""
         if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
             return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
-        if self.block_swap is None and getattr(block.forward, "recomputes_inside", False):
+        if self.block_swap is None and compiled_by_compile_block(block):
             return block(x, context, temb, recompute=True, random=draws_random(block))
         # the random state kept only where the block draws: a CUDA graph cannot capture the read of it
         return checkpoint(block, x, context, temb, use_reentrant=False, preserve_rng_state=draws_random(block))

@@ -81,6 +81,11 @@ def compile_block(block):
     block.forward = forward
 
 
+def compiled_by_compile_block(block):
+    """Whether `block`'s forward is compile_block's (it takes `recompute=True`)."""
+    return getattr(block.forward, "recomputes_inside", False)
+
+
 def recomputed_inside(forward, x, context, temb, recompute=False, random=False):
     """forward(x, context, temb), recomputed in backward where `recompute`; `random`: the block draws (dropout)."""
     if not recompute:
