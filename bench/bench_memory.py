@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -234,11 +235,23 @@ def main(argv=None):
         print(f"stand-in {key}: {write_stand_in(stand_ins[key], STAND_INS[key]) / GIB:.2f} GiB", flush=True)
     work = args.work or tempfile.mkdtemp(prefix="bench_memory_")
     os.makedirs(work, exist_ok=True)
-    print(f"runs and their logs in {work}\n")
-    print("| scenario | measured peak | estimate | target | | notes |\n|---|---|---|---|---|---|", flush=True)
+    print(f"runs and their logs in {work}" + ("" if args.work else " (the runs removed at the end, --work keeps them)"))
+    print("\n| scenario | measured peak | estimate | target | | notes |\n|---|---|---|---|---|---|", flush=True)
     results = {}
-    for name in names:
-        print(run_scenario(name, stand_ins, work, results), flush=True)
+    try:
+        for name in names:
+            print(run_scenario(name, stand_ins, work, results), flush=True)
+    finally:
+        if not args.work:
+            remove_runs(work)
+
+
+def remove_runs(work):
+    """Remove the runs' folders from `work` and keep the logs beside them: a folder of ours in the temporary folder
+    would otherwise keep its gigabytes of checkpoints after every measurement."""
+    for entry in os.scandir(work):
+        if entry.is_dir():
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 if __name__ == "__main__":
