@@ -65,9 +65,14 @@ def set_random_state(state, device):
         torch.cuda.set_rng_state(state[1], device)
 
 
+def has_dropout(module):
+    """Whether `module` holds a dropout with p > 0 (LoRA's --lora_dropout)."""
+    return any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
+
+
 def draws_random(block):
-    """Whether a block, in training, draws random numbers: a dropout with p > 0 in it (LoRA's --lora_dropout)."""
-    return block.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in block.modules())
+    """Whether a block, in training, draws random numbers: a dropout in it."""
+    return block.training and has_dropout(block)
 
 
 def compile_block(block):

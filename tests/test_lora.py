@@ -10,6 +10,7 @@ from model.model_lora import (
     unmerge_lora,
 )
 from model.model_sd3light import SD3Light
+from model.recompute import draws_random, has_dropout
 from tests.conftest import inputs, random_config, randomise
 
 
@@ -230,3 +231,7 @@ def test_lora_dropout_reaches_the_adapter_only():
     out = layer(x)
     torch.manual_seed(3)
     torch.testing.assert_close(out, reference_lora(layer, x, dropout=layer.dropout(x)))
+    # what the model's recompute and --cuda_graph's refusal read: a layer that draws in training, and one that does not
+    plain = LoRALinear(torch.nn.Linear(6, 6), rank=2, alpha=2, dropout=0.0).train()
+    assert has_dropout(layer) and draws_random(layer) and not draws_random(layer.eval())
+    assert not has_dropout(plain) and not draws_random(plain)

@@ -32,7 +32,7 @@ from model.memory import peak_rss
 from model.model_lora import lora_layers, lora_parameters
 from model.precision import run_precision
 from model.rectified_flow import FlowRecipe, flow_inputs
-from model.recompute import compiled_by_compile_block
+from model.recompute import compiled_by_compile_block, has_dropout
 from model.step_graphs import StepGraphs, graphs_choice, graphs_refusal
 from trainer.mechanics.checkpointer import Checkpointer, checkpoint_stem, find_resume, resume_lines, resumed_dtype
 from trainer.mechanics.distributed import gathered, init_distributed, leave_together
@@ -180,7 +180,7 @@ def run_graphs(choice, info, model, routing, step_in_backward, log):
     `choice`: on only where asked and the step can be captured (one line where asked and it cannot: UserError);
     `routing`: the recipe's TokenRouting; `step_in_backward`: the full fine-tune's parameters stepped in backward
     (not captured)."""
-    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    dropout = has_dropout(model)
     recomputed = model.gradient_checkpointing not in (False, 0)
     compiled = any(compiled_by_compile_block(block) for block in model.transformer_blocks)
     refusal = graphs_refusal(info.device, info.world_size if not info.sharded else 2, model.block_swap is not None,
