@@ -5,6 +5,8 @@ LoRA layers and --gradient_checkpointing auto (BENCHMARKS.md, "Fast on the GPU")
 host's reads of tensor values, bench/bench_host_reads.py's counter (the proxy for a GPU's syncs)."""
 import linecache
 import os
+import re
+import subprocess
 
 import pytest
 import torch
@@ -91,3 +93,15 @@ def test_between_two_log_steps_pretraining_dpo_and_distillation_read_nothing_fro
         else:
             assert summary["steps"] == [0, 0, 0, 1], (label, summary)
         assert reads == {}, (label, reads)
+
+
+def test_the_prepared_gpu_checks_parse_and_name_configurations_the_bench_has():
+    # bench/gpu_checks.sh runs only on a lent GPU, minutes a session: a slip in it would be found there, too late
+    script = os.path.join(REPO, "bench", "gpu_checks.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    with open(script) as f:
+        text = f.read()
+    named = re.search(r"--only ((?:[\w.]+\s*\\?\s*)+);;", text).group(1).replace("\\", " ").split()
+    assert len(named) == 11 and set(named) <= set(CONFIGS), set(named) - set(CONFIGS)
+    assert subprocess.run(["bash", script, "nothing"], capture_output=True, text=True).stdout.startswith(
+        "unknown part: nothing")
