@@ -339,23 +339,27 @@ def main(argv=None):
     for name in args.only or list(CONFIGS):  # each in a process of its own: its own peak memory, its own compile
         if CONFIGS[name].graph and not torch.cuda.is_available():
             rows.append({"config": name, "error": "a CUDA GPU captures graphs"})
-            continue
-        command = [sys.executable, os.path.abspath(__file__), "--one", name, "--resolution", str(resolution),
-                   "--steps", str(args.steps), "--cpu_width", str(args.cpu_width)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
-            found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
-            rows.append(json.loads(found[0]) if found else
-                        {"config": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:120]})
-        except subprocess.TimeoutExpired:
-            rows.append({"config": name, "error": f"over {args.timeout} s"})
+        else:
+            rows.append(run_one(name, resolution, args.steps, args.cpu_width, args.timeout))
         print(table(rows[-1:]).splitlines()[-1] if len(rows) > 1 else table(rows), flush=True)
+        if args.json:  # after each row: a run stopped by its time limit keeps the rows it measured
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(rows, f, indent=1)
     print()
     print(table(rows))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rows, f, indent=1)
 
+
+def run_one(name, resolution, steps, cpu_width, timeout):
+    """One configuration measured in a process of its own -> its row (or its error)."""
+    command = [sys.executable, os.path.abspath(__file__), "--one", name, "--resolution", str(resolution),
+               "--steps", str(steps), "--cpu_width", str(cpu_width)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"config": name, "error": f"over {timeout} s"}
+    found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+    return json.loads(found[0]) if found else \
+        {"config": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:120]}
 
 if __name__ == "__main__":
     main()

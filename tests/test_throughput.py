@@ -96,12 +96,14 @@ def test_between_two_log_steps_pretraining_dpo_and_distillation_read_nothing_fro
 
 
 def test_the_prepared_gpu_checks_parse_and_name_configurations_the_bench_has():
-    # bench/gpu_checks.sh runs only on a lent GPU, minutes a session: a slip in it would be found there, too late
+    # bench/gpu_checks.sh runs only on a GPU machine, where a slip in it would be found too late
     script = os.path.join(REPO, "bench", "gpu_checks.sh")
     assert subprocess.run(["bash", "-n", script]).returncode == 0
     with open(script) as f:
         text = f.read()
-    named = re.search(r"--only ((?:[\w.]+\s*\\?\s*)+);;", text).group(1).replace("\\", " ").split()
-    assert len(named) == 11 and set(named) <= set(CONFIGS), set(named) - set(CONFIGS)
-    assert subprocess.run(["bash", script, "nothing"], capture_output=True, text=True).stdout.startswith(
-        "unknown part: nothing")
+    lists = re.findall(r"--only ((?:[\w.]+\s*\\?\s*)+);;", text)
+    named = [name for words in lists for name in words.replace("\\", " ").split()]
+    assert len(lists) == 2 and len(named) == len(set(named)) == 11
+    assert set(named) <= set(CONFIGS), set(named) - set(CONFIGS)
+    refused = subprocess.run(["bash", script, "graphs", "nothing"], capture_output=True, text=True)
+    assert refused.returncode == 2 and refused.stdout.startswith("unknown part: nothing")
