@@ -361,5 +361,6 @@ def run_one(name, resolution, steps, cpu_width, timeout):
     return json.loads(found[0]) if found else \
         {"config": name, "error": (done.stderr.strip().splitlines() or ["no output"])[-1][:120]}
 
+
 if __name__ == "__main__":
     main()

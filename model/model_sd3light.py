@@ -526,10 +526,11 @@ class SD3Light(nn.Module):
         forward) by model/recompute.Recomputed, one autograd node; a compiled one by the compiler
         (model/recompute.compile_block). A sharded one not compiled, and every block of a model with block swap, by
         torch's non-reentrant checkpoint, whose hooks FSDP and block swap expect."""
-        if self.block_swap is None and type(block) is JointTransformerBlock and "forward" not in vars(block):
-            return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
-        if self.block_swap is None and compiled_by_compile_block(block):
-            return block(x, context, temb, recompute=True, random=draws_random(block))
+        if self.block_swap is None:
+            if type(block) is JointTransformerBlock and "forward" not in vars(block):
+                return Recomputed.apply(block, draws_random(block), anchor, x, context, temb)
+            if compiled_by_compile_block(block):
+                return block(x, context, temb, recompute=True, random=draws_random(block))
         # the random state kept only where the block draws: a CUDA graph cannot capture the read of it
         return checkpoint(block, x, context, temb, use_reentrant=False, preserve_rng_state=draws_random(block))
 
