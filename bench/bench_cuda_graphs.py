@@ -1,5 +1,5 @@
-"""Graphed against eager: the LoRA and full fine-tune stages run the same steps with --cuda_graph 0 and 1, and this
-compares their losses step by step and times their steps. A CUDA GPU only: what `--cuda_graph auto` waits for.
+"""Graphed against eager: the LoRA, full fine-tune and Flow-DPO stages run the same steps with --cuda_graph 0 and 1,
+and this compares their losses step by step and times their steps. A CUDA GPU only: what `--cuda_graph auto` waits for.
 
     python bench/bench_cuda_graphs.py --work /tmp/graphs                  # the tiny defaults, 20 steps each
     python bench/bench_cuda_graphs.py --work /tmp/graphs --steps 40 --stages lora
@@ -8,7 +8,9 @@ The main job's weights come first (trainer/train_pretrain.py, a few steps); each
 eager and graphed, with the same seed and data, a row a step in its metrics file (--log_interval 10). Both follow
 the same random streams (drawn on the host), so their losses should agree to the last bit; the bound this checks is
 one bf16 rounding of the loss (2^-8 relative), the noise a changed order of a reduction would make. The speeds
-are the median images a second of the metrics' rows after the capture (step 4 on).
+are the median images a second of the metrics' rows after the capture (step 4 on). Flow-DPO trains on a manifest
+of built-in images (each caption's own image chosen, another's rejected): the main job's few steps draw no pairs
+of their own worth scoring.
 """
 import argparse
 import json
@@ -18,8 +20,13 @@ import subprocess
 import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = {"lora": ("trainer/train_lora.py", "lora_demo_tiny_metrics.jsonl"),
-          "sft": ("trainer/train_full_sft.py", "sft_tiny_metrics.jsonl")}
+sys.path.insert(0, REPO_ROOT)
+from dataset.shapes import ShapesDataset  # noqa: E402
+
+# each stage's script, its metrics file, and the loss it logs
+STAGES = {"lora": ("trainer/train_lora.py", "lora_demo_tiny_metrics.jsonl", "loss"),
+          "sft": ("trainer/train_full_sft.py", "sft_tiny_metrics.jsonl", "loss"),
+          "dpo": ("trainer/train_dpo.py", "dpo_tiny_metrics.jsonl", "dpo")}
 BOUND = 2 ** -8  # one bf16 rounding, relative
 
 
@@ -32,12 +39,28 @@ def run(script, out, save, extra, timeout):
     return result.stdout
 
 
-def losses_and_speed(path):
-    """A metrics file -> (each step's loss, the median images a second after the capture)."""
+def pair_manifest(folder, count):
+    """`count` preference pairs of built-in images in `folder`: a caption's own image chosen, the next sample's
+    rejected -> the manifest's path (--pairs)."""
+    data, lines = ShapesDataset(num_samples=count + 1), []
+    for i in range(count):
+        (chosen, caption, _), rejected = data.sample(i), data.sample(i + 1)[0]
+        chosen.save(os.path.join(folder, f"chosen{i}.png"))
+        rejected.save(os.path.join(folder, f"rejected{i}.png"))
+        lines.append(json.dumps({"prompt": caption, "chosen": f"chosen{i}.png", "rejected": f"rejected{i}.png"}))
+    path = os.path.join(folder, "pairs.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def losses_and_speed(path, loss):
+    """A metrics file and the name of its loss -> (each step's loss, the median images a second after the
+    capture)."""
     rows = [json.loads(line) for line in open(path, encoding="utf-8")]
-    rows = [row for row in rows if "loss" in row and row.get("loss") is not None]
+    rows = [row for row in rows if row.get(loss) is not None]
     speeds = [row["images_per_s"] for row in rows[3:] if row.get("images_per_s")]
-    return [row["loss"] for row in rows], statistics.median(speeds) if speeds else None
+    return [row[loss] for row in rows], statistics.median(speeds) if speeds else None
 
 
 def main(argv=None):
@@ -52,10 +75,13 @@ def main(argv=None):
     work = os.path.abspath(args.work)
     main_out = os.path.join(work, "out")
     run("trainer/train_pretrain.py", main_out, os.path.join(work, "main_ckpt"), ["--max_steps", "4"], args.timeout)
+    pairs = os.path.join(work, "pairs")
+    os.makedirs(pairs, exist_ok=True)
+    extra = {"dpo": ["--pairs", pair_manifest(pairs, 64)]}
     print("| stage | steps | largest relative loss difference | within 2^-8 | eager images/s | graphed images/s | "
           "captures logged |\n|---|---|---|---|---|---|---|")
     for stage in args.stages:
-        script, metrics = STAGES[stage]
+        script, metrics, loss = STAGES[stage]
         results, logs = {}, {}
         for graph in args.modes:
             out = os.path.join(work, f"{stage}_graph{graph}")
@@ -64,9 +90,9 @@ def main(argv=None):
                 if not os.path.exists(os.path.join(out, name)):
                     os.symlink(os.path.join(main_out, name), os.path.join(out, name))
             logs[graph] = run(script, out, os.path.join(work, f"{stage}_ckpt{graph}"),
-                              ["--max_steps", str(args.steps), "--log_interval", "10", "--cuda_graph", graph],
-                              args.timeout)
-            results[graph] = losses_and_speed(os.path.join(out, metrics))
+                              ["--max_steps", str(args.steps), "--log_interval", "10", "--cuda_graph", graph,
+                               *extra.get(stage, [])], args.timeout)
+            results[graph] = losses_and_speed(os.path.join(out, metrics), loss)
         (eager, eager_speed), (graphed, graphed_speed) = (results[mode] for mode in args.modes)
         worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(eager, graphed))
         captures = sum("CUDA graph " in line and "captured" in line for line in logs[args.modes[1]].splitlines())

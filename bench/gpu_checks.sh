@@ -3,7 +3,7 @@
 # each step under a time limit of its own so that one hang leaves the others' output; the most wanted first.
 #
 #   bash bench/gpu_checks.sh fetch        # where PyPI is reached: the wheels a GPU machine may lack, into .whl/
-#   bash bench/gpu_checks.sh graphs       # on the GPU machine (.whl/ beside it): graphed steps against eager, <= 4 min
+#   bash bench/gpu_checks.sh graphs       # on the GPU machine (.whl/ beside it): 3 stages, graphed vs eager, <= 5 min
 #   bash bench/gpu_checks.sh throughput   # seconds a step, MFU, GPU busy share; graphs on and off, <= 6 min
 #   bash bench/gpu_checks.sh compile      # compiled blocks at batch 4 and every block recomputed, <= 5 min
 #   bash bench/gpu_checks.sh              # all three, in that order (without CUDA: their plumbing, tiny)
@@ -37,7 +37,7 @@ if python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
         python3 -m pip install -q --root-user-action=ignore --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     fi
-    graphs_flags=(--steps 20) bench_flags=(--steps 6) limits=(240 360 300) row=(90 150)
+    graphs_flags=(--steps 20) bench_flags=(--steps 6) limits=(300 360 300) row=(90 150)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
 else  # the plumbing only: eager against eager's automatic choice, and a narrow model's host-bound steps
     graphs_flags=(--steps 6 --modes 0 auto) bench_flags=(--resolution 64 --cpu_width 8 --steps 3)

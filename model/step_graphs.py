@@ -11,12 +11,13 @@ keeps its step in view:
             graphs.outputs(loss, grad_norm, skipped)
     loss, grad_norm, skipped = graphs.run(inputs)  # the captured graph replayed on these inputs; eager: as computed
 
-`inputs` (model/rectified_flow.flow_inputs, one dict a micro-batch) are drawn on the host as in an eager step and
-copied into the graph's own buffers, so a graphed step follows the same random streams. What the graphs keep is
-made so that any graph may replay after any other: the inputs' and outputs' buffers are allocated outside the
-graphs' shared memory pool, the gradients are set to None in the step (the pool then holds only what a step makes
-and drops), and the optimizer's state, the learning rate and the adapters' casts exist before the first capture
-(the warm-up steps make them). A shape's first WARMUP steps run eagerly on a side stream, as capture requires.
+`inputs` (one dict a micro-batch: model/rectified_flow.flow_inputs, Flow-DPO's pair_inputs) are drawn on the host
+as in an eager step and copied into the graph's own buffers, so a graphed step follows the same random streams.
+What the graphs keep is made so that any graph may replay after any other: the inputs' and outputs' buffers are
+allocated outside the graphs' shared memory pool, the gradients are set to None in the step (the pool then holds
+only what a step makes and drops), and the optimizer's state, the learning rate and the adapters' casts exist
+before the first capture (the warm-up steps make them). A shape's first WARMUP steps run eagerly on a side stream,
+as capture requires.
 """
 import contextlib
 from collections import Counter

@@ -22,7 +22,9 @@ from model.checkpoint import checkpoint_file, first_difference, load_safetensors
 from model.components import BuiltinComponents
 from model.model_lora import ADAPTER_KINDS, read_lora_file
 from trainer import preference
-from trainer.preference import DPORecipe, flow_dpo_loss, frozen_copy_reference, pair_indices
+from trainer.preference import (
+    DPO_VALUES, DPORecipe, dpo_loss_of, flow_dpo_loss, frozen_copy_reference, pair_indices, pair_inputs,
+)
 
 from tests.dpo_stand_in import brightness_scores
 from tests.scripts import run, run_here, run_in_process, run_many, run_script_here
@@ -84,6 +86,24 @@ def test_the_loss_is_the_flow_dpo_formula():
     assert out["reward_margin"].item() == pytest.approx(inside.mean().item(), rel=1e-5)
     out["dpo"].backward()
     assert policy.w.grad is not None and reference.w.grad is None
+
+
+def test_the_loss_is_its_host_draws_then_device_work_that_draws_nothing():
+    """What --cuda_graph captures is dpo_loss_of: given pair_inputs' draws it reads no random state (a replay
+    would repeat a draw made at capture), and together they are the stage's loss."""
+    g = torch.Generator().manual_seed(0)
+    chosen, rejected = torch.randn(2, 12, 4, 4, generator=g), torch.randn(2, 12, 4, 4, generator=g)
+    components, policy, reference = BuiltinComponents(GRAMMAR_WORDS), Scale(0.3), frozen_copy_reference(Scale(-0.2))
+    draws = torch.Generator().manual_seed(7)
+    inputs = pair_inputs(policy, components, cached_pairs(chosen, rejected), draws, recipe())
+    assert torch.equal(inputs["latents"], torch.cat([chosen, rejected]))  # both sides, sharing noise and sigmas
+    assert torch.equal(*inputs["noise"].chunk(2)) and torch.equal(*inputs["sigmas"].chunk(2))
+    after_draws, host = draws.get_state(), torch.get_rng_state()
+    out = dpo_loss_of(policy, reference, inputs, recipe())
+    assert torch.equal(draws.get_state(), after_draws) and torch.equal(torch.get_rng_state(), host)
+    whole = flow_dpo_loss(policy, reference, components, cached_pairs(chosen, rejected),
+                          torch.Generator().manual_seed(7), recipe())
+    assert all(torch.equal(out[name], whole[name]) for name in DPO_VALUES) and list(out) == list(DPO_VALUES)
 
 
 def test_a_pair_of_one_image_twice_gives_log_2_and_no_gradient(start):
@@ -148,22 +168,26 @@ def test_the_drawn_prompts_never_hold_a_held_out_pair_or_a_scored_prompt():
 
 
 class Watch:
-    """Wraps the stage's loss: records per call the reference's answer to a probe, digests of the policy's weights
-    (adapters, the rest) and the captions trained on, and sends SIGTERM to
-    this process at the `stop_at`-th call (as a scheduler would in the middle of a step)."""
+    """Wraps the stage's loss: records per call the reference's answer to a probe and digests of the policy's
+    weights (adapters, the rest), and sends SIGTERM to this process at the `stop_at`-th call (as a scheduler would
+    in the middle of a step); and its draws: the captions of each micro-batch trained on."""
 
     def __init__(self, stop_at=None):
-        self.stop_at, self.calls = stop_at, []
+        self.stop_at, self.calls, self.captions = stop_at, [], []
 
-    def __call__(self, policy, reference, components, batch, generator, args):
+    def __call__(self, policy, reference, inputs, recipe):
         module = getattr(policy, "module", policy)
         with reference() as reference_model, torch.no_grad():
             answer = reference_model(*probe(reference_model.config))  # what the reference computes
-            self.calls.append({"reference": answer.numpy().tobytes(), "captions": list(batch["caption"]),
-                               "base": digest_of(module, adapters=False), "adapters": digest_of(module, adapters=True)})
+            self.calls.append({"reference": answer.numpy().tobytes(), "base": digest_of(module, adapters=False),
+                               "adapters": digest_of(module, adapters=True)})
         if len(self.calls) == self.stop_at:
             os.kill(os.getpid(), signal.SIGTERM)
-        return flow_dpo_loss(policy, reference, components, batch, generator, args)
+        return dpo_loss_of(policy, reference, inputs, recipe)
+
+    def draws(self, policy, components, batch, generator, recipe):
+        self.captions.append(list(batch["caption"]))
+        return pair_inputs(policy, components, batch, generator, recipe)
 
 
 def probe(config):
@@ -188,7 +212,8 @@ def digest_of(module, adapters):
 def run_watched(run_dir, start_path, monkeypatch, *extra, stop_at=None):
     """Run the stage here with its loss watched, the pairs scored by the stand-in verifier (brightness)."""
     watch = Watch(stop_at)
-    monkeypatch.setattr(train_dpo, "flow_dpo_loss", watch)
+    monkeypatch.setattr(train_dpo, "dpo_loss_of", watch)
+    monkeypatch.setattr(train_dpo, "pair_inputs", watch.draws)
     monkeypatch.setattr(preference, "score_images", brightness_scores)
     _, messages = run_in_process(train_dpo, argv(run_dir, start_path, *extra), monkeypatch)
     return watch, messages
@@ -271,7 +296,8 @@ def test_a_manifest_trains_on_its_good_lines_and_reports_the_rest_in_one_line(tm
     summary = [m for m in messages if m.startswith(f"pairs {pairs}")]
     assert summary == [f"pairs {pairs}: 5 pairs, 5 skipped: 2 malformed (line 6, 7); 1 empty prompt (line 5); "
                        "1 missing image (line 3); 1 unreadable image (line 4)"]
-    assert {c for call in watch.calls for c in call["captions"]} <= good and len(watch.calls) == 3
+    assert {c for captions in watch.captions for c in captions} <= good and len(watch.calls) == 3
+    assert len(watch.captions) == 3  # a micro-batch's draws a step
     assert (tmp_path / "out" / "dpo_tiny.json").is_file()
 
 

@@ -6,6 +6,7 @@ bench/bench_cuda_graphs.py checks graphed losses against eager ones there."""
 import pytest
 import torch
 
+import trainer.train_dpo as train_dpo
 import trainer.train_lora as train_lora
 from model.errors import UserError
 from model.model_lora import apply_lora, lora_layers, lora_parameters
@@ -113,11 +114,11 @@ def test_a_block_recomputed_by_one_node_gives_torchs_checkpoint_gradients(monkey
         torch.testing.assert_close(uncompiled, plain, rtol=0, atol=1e-6)
 
 
-def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained, monkeypatch):
+@pytest.mark.parametrize("stage", [train_lora, train_dpo], ids=["lora", "dpo"])
+def test_cuda_graph_1_on_a_cpu_is_one_line_before_any_step(tmp_path, pretrained, monkeypatch, stage):
     with pytest.raises(UserError) as error:
-        run_in_process(train_lora, ["--cuda_graph", "1", "--from_weight", pretrained, "--out_dir",
-                                    str(tmp_path / "out"), "--save_dir", str(tmp_path / "ckpt"), "--max_steps", "1"],
-                       monkeypatch)
+        run_in_process(stage, ["--cuda_graph", "1", "--from_weight", pretrained, "--out_dir", str(tmp_path / "out"),
+                               "--save_dir", str(tmp_path / "ckpt"), "--max_steps", "1"], monkeypatch)
     assert "a CUDA GPU captures graphs" in str(error.value) and "\n" not in str(error.value)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())  # no step, no save
 

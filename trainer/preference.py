@@ -88,8 +88,8 @@ def adapters_off_reference(model):
 @dataclass(frozen=True)
 class DPOLearner:
     """What the DPO loop trains: the policy, and the policy as its processes train it (`train_model`: DDP, or itself on
-    one process and under FSDP), the frozen reference (Reference), the optimizer, the EMA (or None),
-    and what the loss reads."""
+    one process and under FSDP), the frozen reference (Reference), the optimizer, the EMA (or None), what the loss
+    reads, and the CUDA graphs its step may run as (StepGraphs: trainer_utils.run_graphs)."""
     model: torch.nn.Module
     train_model: torch.nn.Module
     reference: Reference
@@ -97,6 +97,7 @@ class DPOLearner:
     ema: object
     components: object
     recipe: DPORecipe
+    graphs: object
 
 
 def pair_batch_features(components, batch, device):
@@ -114,12 +115,21 @@ def dpo_inside(errors, reference_errors, beta):
     return -0.5 * beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
 
 
+DPO_VALUES = ("dpo", "reward_accuracy", "reward_margin")  # what dpo_loss_of gives, in the metrics' order
+
+
 def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     """The Flow-DPO loss of one micro-batch of pairs -> {"dpo": the loss, "reward_accuracy", "reward_margin"}
-    (the last two detached: logged, adding nothing to the gradient). `reference()` is a context giving the frozen
-    reference model (Reference). `generator` draws each side's latent sample, the shared noise, the shared sigmas
-    and the shared routed tokens (the policy and the reference route alike), in that order, as `recipe` (DPORecipe)
-    says."""
+    (the last two detached: logged, adding nothing to the gradient): pair_inputs, then dpo_loss_of."""
+    return dpo_loss_of(policy, reference, pair_inputs(policy, components, batch, generator, recipe), recipe)
+
+
+def pair_inputs(policy, components, batch, generator, recipe):
+    """A micro-batch of pairs' part of the loss that is not the models': both sides' latents, the text, and the
+    noise, sigmas and routed tokens both share, drawn and on the policy's device -> {name: tensor or None} for
+    dpo_loss_of, each side by side (chosen first). `generator` draws each side's latent sample, the shared noise,
+    the shared sigmas and the shared routed tokens, in that order, as `recipe` (DPORecipe) says; on the host, so
+    a captured step (--cuda_graph) replays the same random streams as an eager one."""
     device = next(policy.parameters()).device
     with torch.no_grad():
         features = pair_batch_features(components, batch, device)
@@ -132,19 +142,28 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
     route = recipe.routing.draw(chosen, generator)
     if route is not None:
         route = replace(route, keep=torch.cat([route.keep, route.keep]))
-    x0, noise, s = torch.cat([chosen, rejected]), torch.cat([noise, noise]), torch.cat([s, s])
-    tokens, pooled, x_t = torch.cat([tokens, tokens]), torch.cat([pooled, pooled]), add_noise(x0, noise, s)
-    target = (noise - x0).float()
+    return {"latents": torch.cat([chosen, rejected]), "noise": torch.cat([noise, noise]), "sigmas": torch.cat([s, s]),
+            "tokens": torch.cat([tokens, tokens]), "pooled": torch.cat([pooled, pooled]), "route": route}
+
+
+def pair_errors(model, inputs, x_t, target, recipe):
+    """Per-sample flow losses [2n] of `model` on a micro-batch of pairs (pair_inputs) noised to `x_t`."""
     dtype = recipe.autocast
+    with torch.autocast(x_t.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        v = predict_velocity(model, x_t, inputs["tokens"], inputs["pooled"], inputs["sigmas"], recipe.prediction,
+                             inputs["route"])
+    return (v.float() - target).pow(2).flatten(1).mean(1)
 
-    def errors(model):
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            v = predict_velocity(model, x_t, tokens, pooled, s, recipe.prediction, route)
-        return (v.float() - target).pow(2).flatten(1).mean(1)
 
+def dpo_loss_of(policy, reference, inputs, recipe):
+    """The Flow-DPO loss of `inputs` (pair_inputs) -> {"dpo", "reward_accuracy", "reward_margin"}, the last two
+    detached. `reference()` is a context giving the frozen reference model (Reference). Device work alone: what a
+    CUDA graph captures."""
+    x0, noise = inputs["latents"], inputs["noise"]
+    x_t, target = add_noise(x0, noise, inputs["sigmas"]), (noise - x0).float()
     with torch.no_grad(), reference() as reference_model:
-        reference_errors = errors(reference_model)
-    inside = dpo_inside(errors(policy), reference_errors, recipe.dpo_beta)
+        reference_errors = pair_errors(reference_model, inputs, x_t, target, recipe)
+    inside = dpo_inside(pair_errors(policy, inputs, x_t, target, recipe), reference_errors, recipe.dpo_beta)
     accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()
     return {"dpo": -F.logsigmoid(inside).mean(), "reward_accuracy": accuracy.detach(),
             "reward_margin": inside.mean().detach()}

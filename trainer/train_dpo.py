@@ -21,10 +21,11 @@ sample grids in out/samples/ (step 0: the starting weights) and the resume check
 the current pairs) in checkpoints/.
 Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 
-Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
-loss and backward of a step's micro-batches, train the loop.
-The two files it names: trainer/preference.py (the loss: flow_dpo_loss, and the pairs) and trainer/trainer_utils.py
-(everything around the loop: start_run, lr_at the learning rate, save_step what a save writes and deletes).
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, step_pairs a step's
+pairs and their random draws, accumulate the loss and backward of its micro-batches, train the loop.
+The two files it names: trainer/preference.py (the loss: pair_inputs draws, dpo_loss_of computes; and the pairs)
+and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step what a
+save writes and deletes).
 """
 import os
 import sys
@@ -51,7 +52,7 @@ from model.weights import (  # noqa: E402
 )
 from trainer.arguments import (  # noqa: E402
     SAVE_DTYPES, StageParser, add_adapter_kind_args, add_block_swap_args, add_export_args, add_flow_args,
-    add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
+    add_graph_args, add_optimizer_args, add_plumbing_args, add_routing_args, add_sampling_args, add_schedule_args,
     add_validation_args, non_negative_float, non_negative_int, positive_float, positive_int,
 )
 from trainer.mechanics.checkpointer import Checkpointer, RunSpec, checkpoint_stem  # noqa: E402
@@ -66,13 +67,13 @@ from trainer.mechanics.previews import Previews, step_zero  # noqa: E402
 from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.preference import (  # noqa: E402
-    DPOLearner, DPORecipe, PairRounds, adapters_off_reference, flow_dpo_loss, frozen_copy_reference,
-    preference_data, refresh_pool,
+    DPO_VALUES, DPOLearner, DPORecipe, PairRounds, adapters_off_reference, dpo_loss_of, frozen_copy_reference,
+    pair_inputs, preference_data, refresh_pool,
 )
 from trainer.networks import adapted_frozen, adapter_count, load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
-    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, sample_grid, save_step, set_lr,
-    start_run, write_steps,
+    NonFiniteSteps, Outputs, finish_run, log_peak, lr_at, not_finite, resume_run, run_graphs, sample_grid, save_step,
+    set_lr, start_run, write_steps,
 )
 
 
@@ -112,6 +113,7 @@ def parse_args(argv=None):
     add_flow_args(parser, loss=False)  # the sigmas both sides of a pair share
     add_routing_args(parser)  # token routing (off)
     add_block_swap_args(parser)  # with adapters: the first blocks streamed from host memory (off)
+    add_graph_args(parser)  # the step as a CUDA graph (auto: off for now)
     add_sampling_args(parser)
     add_export_args(parser)
     add_validation_args(parser)  # --val_data: images, scored by the policy's flow loss
@@ -223,7 +225,8 @@ def main(argv=None):
     recipe = DPORecipe(prediction=prediction, dpo_beta=args.dpo_beta, sigma_scheme=args.sigma_scheme,
                        logit_mean=args.logit_mean, logit_std=args.logit_std, train_shift=args.train_shift,
                        autocast=precision.autocast, routing=routing)
-    learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe)
+    graphs = run_graphs(args.cuda_graph, info, model, routing, False, metrics.log)  # or one line
+    learner = DPOLearner(model, train_model, reference, optimizer, ema, components, recipe, graphs)
     # where the run is in its data, and the schedule: --max_steps, or --epochs (the loop's lr_at reads it)
     workers = 0 if isinstance(data.dataset, PairPool) else args.num_workers  # a pool is read here (no stale copy)
     position = Position(data.dataset, args.resolution, args.batch_size, args.accumulation_steps, args.seed, info,
@@ -271,31 +274,42 @@ def outputs(args, info, position, learner, metrics, source, resolved):
     return Outputs(metrics, previews, checkpointer, export, throughput)
 
 
-def accumulate(args, batches, learner, generator, throughput):
-    """The step's micro-batches of pairs: the DPO loss of each, backpropagated scaled so that the gradients
-    accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of each logged value,
-    and their FLOPs (the policy's forward and backward, and the reference's forward, on both sides of each pair)."""
-    totals, flops = {}, 0.0
-    for micro, batch in enumerate(batches):
+def step_pairs(batches, learner, generator, throughput):
+    """A step's micro-batches of pairs on the device with their random draws, made on the host (pair_inputs each)
+    -> (those inputs, their FLOPs: the policy's forward and backward and the reference's forward, on both sides of
+    each pair)."""
+    batches = list(batches)
+    inputs = [pair_inputs(learner.model, learner.components, batch, generator, learner.recipe)
+              for batch in batches]
+    return inputs, sum((throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
+                       for batch in batches)
+
+
+def accumulate(args, inputs, learner):
+    """The step's micro-batches of pairs (pair_inputs each): the DPO loss of each, backpropagated scaled so that
+    the gradients accumulate to their mean (DDP all-reduces them in the last one's backward) -> the sum of each
+    logged value (DPO_VALUES, in that order), on the device."""
+    totals = 0.0
+    for micro, batch in enumerate(inputs):
         sync_gradients(learner.train_model, micro == args.accumulation_steps - 1)
-        losses = flow_dpo_loss(learner.train_model, learner.reference, learner.components, batch, generator,
-                               learner.recipe)
+        losses = dpo_loss_of(learner.train_model, learner.reference, batch, learner.recipe)
         (sum(losses.values()) / args.accumulation_steps).backward()  # the reward terms are detached
         # on the device: read at the log step, after the all-reduce
-        totals = {name: totals.get(name, 0.0) + value.detach().double() for name, value in losses.items()}
-        flops += (throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
-    return totals, flops
+        totals = totals + torch.stack([losses[name].detach().double() for name in DPO_VALUES])
+    return totals
 
 
 def train(args, info, position, data, learner, out, rounds):
     """The loop, from `position` (resumed, or at the start) to the end of the schedule or a stop signal; with
     --pairs builtin, a new round of pairs every --pair_refresh steps (`rounds`: its images drawn, scored on the
-    host). Between two log steps (--log_interval) nothing else is read to the host: a GPU runs ahead."""
+    host). Between two log steps (--log_interval) nothing else is read to the host: a GPU runs ahead; with
+    --cuda_graph 1 each shape's step is captured at its third and replayed after."""
     log, ema = out.metrics.log, learner.ema
     params = [p for p in learner.model.parameters() if p.requires_grad]
     pool = data.dataset if isinstance(data.dataset, PairPool) else None  # builtin pairs: refilled each round
     trained = LoRAWeights(learner.model) if args.lora_rank else learner.model  # what is exported
     stopping, guard, rows = False, NonFiniteSteps(args.save_dir), StepRows()
+    graphs = learner.graphs.prepare([learner.optimizer])  # after the resume: its rate in a tensor a graph reads
     with StopSignal() as stop:  # SIGTERM or Ctrl-C: saved at the next log step's end, and the loop ends
         while not (position.finished or stopping):
             started, batches = time.perf_counter(), position.next_step()  # step + 1: this rank's micro-batches
@@ -304,16 +318,22 @@ def train(args, info, position, data, learner, out, rounds):
                 drawn = refresh_pool(pool, round_, learner.model, learner.components, info, rounds, log)
             lr = set_lr(learner.optimizer, lr_at(position.progress, position.plan_steps, args.learning_rate,
                                                  args.warmup_steps, args.min_lr_ratio))
-            totals, flops = accumulate(args, batches, learner, position.generator, out.throughput)  # loss, backward
-            # the losses over micro-batches and processes (one all-reduce), the gradients' norm (then clipped), and
-            # whether either is not finite: all on the device, where the update and the EMA are skipped if so
-            means = mean_over_processes(torch.stack(list(totals.values())) / args.accumulation_steps, info)
-            losses = dict(zip(totals, means.unbind()))
-            grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
-            skipped = not_finite(losses["dpo"], grad_norm)
-            learner.optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
-            learner.optimizer.step()
-            learner.optimizer.zero_grad(set_to_none=True)
+            inputs, flops = step_pairs(batches, learner, position.generator, out.throughput)
+            if not graphs.captured(inputs):  # eager; or, at a shape's third step with --cuda_graph 1, captured
+                with graphs.recording(inputs) as recorded:
+                    totals = accumulate(args, recorded, learner)  # the loss and backward of each micro-batch
+                    # the losses over micro-batches and processes (one all-reduce), the gradients' norm (then
+                    # clipped), and whether either is not finite: all on the device, where the update and the EMA
+                    # are skipped if so
+                    means = mean_over_processes(totals / args.accumulation_steps, info)
+                    grad_norm = whole(torch.nn.utils.clip_grad_norm_(params, args.grad_clip))
+                    skipped = not_finite(means[0], grad_norm)  # (the DPO loss, DPO_VALUES' first)
+                    learner.optimizer.found_inf = skipped  # AdamW (fused, or model/flat_adamw's): no update where 1
+                    learner.optimizer.step()
+                    learner.optimizer.zero_grad(set_to_none=True)
+                    graphs.outputs(means, grad_norm, skipped)
+            means, grad_norm, skipped = graphs.run(inputs)  # a captured step replayed on these inputs
+            losses = dict(zip(DPO_VALUES, means.unbind()))
             if ema is not None:
                 ema.update(position.step, skipped)
             position.end_step()
