@@ -8,9 +8,10 @@ The main job's weights come first (trainer/train_pretrain.py, a few steps); each
 eager and graphed, with the same seed and data, a row a step in its metrics file (--log_interval 10). Both follow
 the same random streams (drawn on the host), so their losses should agree to the last bit; the bound this checks is
 one bf16 rounding of the loss (2^-8 relative), the noise a changed order of a reduction would make. The speeds
-are the median images a second of the metrics' rows after the capture (step 4 on). Flow-DPO trains on a manifest
-of built-in images (each caption's own image chosen, another's rejected): the main job's few steps draw no pairs
-of their own worth scoring.
+are the median images a second of the metrics' rows after the capture (step 4 on). Flow-DPO runs twice: all
+weights on a manifest of built-in images (each caption's own image chosen, another's rejected), and adapters (the
+reference: the policy with them off) on pairs it draws every 5 steps, between replays, scored by brightness
+(tests/dpo_stand_in.py: the main job's few steps draw no shapes the shape scorer could tell apart).
 """
 import argparse
 import json
@@ -26,7 +27,11 @@ from dataset.shapes import ShapesDataset  # noqa: E402
 # each stage's script, its metrics file, and the loss it logs
 STAGES = {"lora": ("trainer/train_lora.py", "lora_demo_tiny_metrics.jsonl", "loss"),
           "sft": ("trainer/train_full_sft.py", "sft_tiny_metrics.jsonl", "loss"),
-          "dpo": ("trainer/train_dpo.py", "dpo_tiny_metrics.jsonl", "dpo")}
+          "dpo": ("trainer/train_dpo.py", "dpo_tiny_metrics.jsonl", "dpo"),
+          "dpo_lora": ("tests/dpo_stand_in.py", "lora_dpo_tiny_metrics.jsonl", "dpo")}
+# what a stage's runs take besides (main adds the "dpo" runs' manifest of pairs)
+EXTRA = {"dpo_lora": ["--lora_rank", "4", "--pair_refresh", "5", "--pair_prompts", "16", "--pair_images", "4",
+                     "--pair_sample_steps", "2"]}
 BOUND = 2 ** -8  # one bf16 rounding, relative
 
 
@@ -75,9 +80,11 @@ def main(argv=None):
     work = os.path.abspath(args.work)
     main_out = os.path.join(work, "out")
     run("trainer/train_pretrain.py", main_out, os.path.join(work, "main_ckpt"), ["--max_steps", "4"], args.timeout)
-    pairs = os.path.join(work, "pairs")
-    os.makedirs(pairs, exist_ok=True)
-    extra = {"dpo": ["--pairs", pair_manifest(pairs, 64)]}
+    extra = dict(EXTRA)
+    if "dpo" in args.stages:
+        pairs = os.path.join(work, "pairs")
+        os.makedirs(pairs, exist_ok=True)
+        extra["dpo"] = ["--pairs", pair_manifest(pairs, 64)]
     print("| stage | steps | largest relative loss difference | within 2^-8 | eager images/s | graphed images/s | "
           "captures logged |\n|---|---|---|---|---|---|---|")
     for stage in args.stages:

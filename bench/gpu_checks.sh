@@ -3,7 +3,7 @@
 # each step under a time limit of its own so that one hang leaves the others' output; the most wanted first.
 #
 #   bash bench/gpu_checks.sh fetch        # where PyPI is reached: the wheels a GPU machine may lack, into .whl/
-#   bash bench/gpu_checks.sh graphs       # on the GPU machine (.whl/ beside it): 3 stages, graphed vs eager, <= 5 min
+#   bash bench/gpu_checks.sh graphs       # on the GPU machine (.whl/ beside it): each stage graphed vs eager, <= 5 min
 #   bash bench/gpu_checks.sh throughput   # seconds a step, MFU, GPU busy share; graphs on and off, <= 6 min
 #   bash bench/gpu_checks.sh compile      # compiled blocks at batch 4 and every block recomputed, <= 5 min
 #   bash bench/gpu_checks.sh              # all three, in that order (without CUDA: their plumbing, tiny)

@@ -134,8 +134,9 @@ class StepGraphs:
         torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def outputs(self, *values):
-        """The step's results (scalar tensors on the device): kept as they are in an eager step; copied into
-        buffers of their own, made in a warm-up step outside the pool, where the step is captured."""
+        """The step's results (tensors on the device: scalars, or a few values such as DPO's): kept as they are in
+        an eager step; copied into buffers of their own, made in a warm-up step outside the pool, where the step is
+        captured."""
         if self.on and not self.capturing and self.kept is None:
             self.kept = [torch.empty_like(value) for value in values]
         if self.capturing:

@@ -90,20 +90,22 @@ def test_the_loss_is_the_flow_dpo_formula():
 
 def test_the_loss_is_its_host_draws_then_device_work_that_draws_nothing():
     """What --cuda_graph captures is dpo_loss_of: given pair_inputs' draws it reads no random state (a replay
-    would repeat a draw made at capture), and together they are the stage's loss."""
+    would repeat a draw made at capture), so it gives the same on the same inputs; the draws are those the
+    formula's test makes by hand (the noise, then the sigmas), shared by the two sides and held once."""
     g = torch.Generator().manual_seed(0)
     chosen, rejected = torch.randn(2, 12, 4, 4, generator=g), torch.randn(2, 12, 4, 4, generator=g)
     components, policy, reference = BuiltinComponents(GRAMMAR_WORDS), Scale(0.3), frozen_copy_reference(Scale(-0.2))
     draws = torch.Generator().manual_seed(7)
     inputs = pair_inputs(policy, components, cached_pairs(chosen, rejected), draws, recipe())
-    assert torch.equal(inputs["latents"], torch.cat([chosen, rejected]))  # both sides, sharing noise and sigmas
-    assert torch.equal(*inputs["noise"].chunk(2)) and torch.equal(*inputs["sigmas"].chunk(2))
+    by_hand = torch.Generator().manual_seed(7)
+    assert torch.equal(inputs["latents"], torch.cat([chosen, rejected]))
+    assert torch.equal(inputs["noise"], torch.randn(chosen.shape, generator=by_hand))
+    assert torch.equal(inputs["sigmas"], torch.rand(2, generator=by_hand)) and inputs["tokens"].shape[0] == 2
     after_draws, host = draws.get_state(), torch.get_rng_state()
     out = dpo_loss_of(policy, reference, inputs, recipe())
     assert torch.equal(draws.get_state(), after_draws) and torch.equal(torch.get_rng_state(), host)
-    whole = flow_dpo_loss(policy, reference, components, cached_pairs(chosen, rejected),
-                          torch.Generator().manual_seed(7), recipe())
-    assert all(torch.equal(out[name], whole[name]) for name in DPO_VALUES) and list(out) == list(DPO_VALUES)
+    again = dpo_loss_of(policy, reference, inputs, recipe())
+    assert list(out) == list(DPO_VALUES) and all(torch.equal(out[name], again[name]) for name in DPO_VALUES)
 
 
 def test_a_pair_of_one_image_twice_gives_log_2_and_no_gradient(start):

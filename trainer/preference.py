@@ -125,11 +125,11 @@ def flow_dpo_loss(policy, reference, components, batch, generator, recipe):
 
 
 def pair_inputs(policy, components, batch, generator, recipe):
-    """A micro-batch of pairs' part of the loss that is not the models': both sides' latents, the text, and the
-    noise, sigmas and routed tokens both share, drawn and on the policy's device -> {name: tensor or None} for
-    dpo_loss_of, each side by side (chosen first). `generator` draws each side's latent sample, the shared noise,
-    the shared sigmas and the shared routed tokens, in that order, as `recipe` (DPORecipe) says; on the host, so
-    a captured step (--cuda_graph) replays the same random streams as an eager one."""
+    """A micro-batch of pairs' part of the loss that is not the models': both sides' latents (chosen first), and the
+    text, noise, sigmas and routed tokens the two sides share, drawn and on the policy's device -> {name: tensor or
+    None} for dpo_loss_of. `generator` draws each side's latent sample, the shared noise, the shared sigmas and the
+    shared routed tokens (the policy and the reference route alike), in that order, as `recipe` (DPORecipe) says;
+    on the host, so a captured step (--cuda_graph) replays the same random streams as an eager one."""
     device = next(policy.parameters()).device
     with torch.no_grad():
         features = pair_batch_features(components, batch, device)
@@ -139,19 +139,17 @@ def pair_inputs(policy, components, batch, generator, recipe):
     noise = to_device(torch.randn(chosen.shape, generator=generator), device)
     s = to_device(sample_sigmas(len(chosen), recipe.sigma_scheme, recipe.logit_mean, recipe.logit_std,
                                 shift=recipe.train_shift, generator=generator), device)
-    route = recipe.routing.draw(chosen, generator)
-    if route is not None:
-        route = replace(route, keep=torch.cat([route.keep, route.keep]))
-    return {"latents": torch.cat([chosen, rejected]), "noise": torch.cat([noise, noise]), "sigmas": torch.cat([s, s]),
-            "tokens": torch.cat([tokens, tokens]), "pooled": torch.cat([pooled, pooled]), "route": route}
+    return {"latents": torch.cat([chosen, rejected]), "tokens": tokens, "pooled": pooled, "noise": noise, "sigmas": s,
+            "route": recipe.routing.draw(chosen, generator)}
 
 
-def pair_errors(model, inputs, x_t, target, recipe):
-    """Per-sample flow losses [2n] of `model` on a micro-batch of pairs (pair_inputs) noised to `x_t`."""
+def pair_errors(model, both, x_t, target, recipe):
+    """Per-sample flow losses [2n] of `model` on both sides of a micro-batch of pairs noised to `x_t` (`both`: the
+    text, sigmas and route, each for the two sides)."""
     dtype = recipe.autocast
     with torch.autocast(x_t.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-        v = predict_velocity(model, x_t, inputs["tokens"], inputs["pooled"], inputs["sigmas"], recipe.prediction,
-                             inputs["route"])
+        v = predict_velocity(model, x_t, both["tokens"], both["pooled"], both["sigmas"], recipe.prediction,
+                             both["route"])
     return (v.float() - target).pow(2).flatten(1).mean(1)
 
 
@@ -159,11 +157,15 @@ def dpo_loss_of(policy, reference, inputs, recipe):
     """The Flow-DPO loss of `inputs` (pair_inputs) -> {"dpo", "reward_accuracy", "reward_margin"}, the last two
     detached. `reference()` is a context giving the frozen reference model (Reference). Device work alone: what a
     CUDA graph captures."""
-    x0, noise = inputs["latents"], inputs["noise"]
-    x_t, target = add_noise(x0, noise, inputs["sigmas"]), (noise - x0).float()
+    # what the two sides share, repeated for both here (the inputs, which a graph keeps a copy of, hold it once)
+    both = {name: torch.cat([inputs[name], inputs[name]]) for name in ("tokens", "pooled", "noise", "sigmas")}
+    route = inputs["route"]
+    both["route"] = None if route is None else replace(route, keep=torch.cat([route.keep, route.keep]))
+    x0, noise = inputs["latents"], both["noise"]
+    x_t, target = add_noise(x0, noise, both["sigmas"]), (noise - x0).float()
     with torch.no_grad(), reference() as reference_model:
-        reference_errors = pair_errors(reference_model, inputs, x_t, target, recipe)
-    inside = dpo_inside(pair_errors(policy, inputs, x_t, target, recipe), reference_errors, recipe.dpo_beta)
+        reference_errors = pair_errors(reference_model, both, x_t, target, recipe)
+    inside = dpo_inside(pair_errors(policy, both, x_t, target, recipe), reference_errors, recipe.dpo_beta)
     accuracy = (inside > 0).float().mean() + 0.5 * (inside == 0).float().mean()
     return {"dpo": -F.logsigmoid(inside).mean(), "reward_accuracy": accuracy.detach(),
             "reward_margin": inside.mean().detach()}

@@ -277,12 +277,13 @@ def outputs(args, info, position, learner, metrics, source, resolved):
 def step_pairs(batches, learner, generator, throughput):
     """A step's micro-batches of pairs on the device with their random draws, made on the host (pair_inputs each)
     -> (those inputs, their FLOPs: the policy's forward and backward and the reference's forward, on both sides of
-    each pair)."""
+    each pair). Eager, each micro-batch's inputs are made as it is read (one on the device at a time; the loss
+    draws nothing, so the draws keep their order); a graph copies all of a step's at once."""
     batches = list(batches)
-    inputs = [pair_inputs(learner.model, learner.components, batch, generator, learner.recipe)
-              for batch in batches]
-    return inputs, sum((throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
-                       for batch in batches)
+    flops = sum((throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
+                for batch in batches)
+    inputs = (pair_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches)
+    return (list(inputs) if learner.graphs.on else inputs), flops
 
 
 def accumulate(args, inputs, learner):
