@@ -12,8 +12,11 @@ from model.errors import run_main
 from trainer.mechanics.metrics import MetricsLog
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# faulthandler: a script that dies of a signal (a crash in native code) prints every thread's Python stack
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+# faulthandler: a script that dies of a signal (a crash in native code) prints every thread's Python stack; the C
+# library's fatal messages ("double free or corruption") go to stderr, not to a terminal the test has not got
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "LIBC_FATAL_STDERR_": "1"}
+# the first lines of a native crash, which the stacks faulthandler prints after them push out of an output's tail
+CRASH_MARKS = ("Fatal Python error", "double free", "corruption", "free(): ", "malloc(): ", "Segmentation fault")
 
 
 def command(args, torchrun=0, torchrun_args=()):
@@ -29,8 +32,9 @@ def run(args, torchrun=0, check=True):
     """Run a script to its end; -> the result (an AssertionError with its output if it failed and `check`)."""
     result = subprocess.run(command(args, torchrun), cwd=REPO, capture_output=True, text=True, env=ENV, timeout=600)
     if check and result.returncode != 0:
+        crash = [line for line in result.stderr.splitlines() if any(mark in line for mark in CRASH_MARKS)]
         raise AssertionError(f"{args[0]} failed ({result.returncode}):\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-3000:]}")
+                             f"{result.stderr[-3000:]}" + "".join(f"\ncrash: {line}" for line in crash[:20]))
     return result
 
 
