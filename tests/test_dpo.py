@@ -215,7 +215,7 @@ def run_watched(run_dir, start_path, monkeypatch, *extra, stop_at=None):
     """Run the stage here with its loss watched, the pairs scored by the stand-in verifier (brightness)."""
     watch = Watch(stop_at)
     monkeypatch.setattr(train_dpo, "dpo_loss_of", watch)
-    monkeypatch.setattr(train_dpo, "pair_inputs", watch.draws)
+    monkeypatch.setattr(preference, "pair_inputs", watch.draws)  # (step_pairs' calls)
     monkeypatch.setattr(preference, "score_images", brightness_scores)
     _, messages = run_in_process(train_dpo, argv(run_dir, start_path, *extra), monkeypatch)
     return watch, messages

@@ -143,6 +143,18 @@ def pair_inputs(policy, components, batch, generator, recipe):
             "route": recipe.routing.draw(chosen, generator)}
 
 
+def step_pairs(batches, learner, generator, throughput):
+    """A step's micro-batches of pairs on the device with their random draws, made on the host (pair_inputs each)
+    -> (those inputs, their FLOPs: the policy's forward and backward and the reference's forward, on both sides of
+    each pair). Eager, each micro-batch's inputs are made as it is read (one on the device at a time; the loss
+    draws nothing, so the draws keep their order); a graph copies all of a step's at once."""
+    batches = list(batches)
+    flops = sum((throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
+                for batch in batches)
+    inputs = (pair_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches)
+    return (list(inputs) if learner.graphs.on else inputs), flops
+
+
 def pair_errors(model, both, x_t, target, recipe):
     """Per-sample flow losses [2n] of `model` on both sides of a micro-batch of pairs noised to `x_t` (`both`: the
     text, sigmas and route, each for the two sides)."""

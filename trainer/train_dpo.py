@@ -21,11 +21,11 @@ sample grids in out/samples/ (step 0: the starting weights) and the resume check
 the current pairs) in checkpoints/.
 Score it with `python eval/eval_geneval.py --weights dpo_tiny`.
 
-Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, step_pairs a step's
-pairs and their random draws, accumulate the loss and backward of its micro-batches, train the loop.
-The two files it names: trainer/preference.py (the loss: pair_inputs draws, dpo_loss_of computes; and the pairs)
-and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate, save_step what a
-save writes and deletes).
+Read top to bottom: parse_args is the recipe, main the set-up, outputs what the run writes, accumulate the
+loss and backward of a step's micro-batches, train the loop.
+The two files it names: trainer/preference.py (the loss: step_pairs draws a step's inputs, dpo_loss_of computes;
+and the pairs) and trainer/trainer_utils.py (everything around the loop: start_run, lr_at the learning rate,
+save_step what a save writes and deletes).
 """
 import os
 import sys
@@ -68,7 +68,7 @@ from trainer.mechanics.run_lock import hold_run_folders  # noqa: E402
 from trainer.mechanics.signals import StopSignal  # noqa: E402
 from trainer.preference import (  # noqa: E402
     DPO_VALUES, DPOLearner, DPORecipe, PairRounds, adapters_off_reference, dpo_loss_of, frozen_copy_reference,
-    pair_inputs, preference_data, refresh_pool,
+    preference_data, refresh_pool, step_pairs,
 )
 from trainer.networks import adapted_frozen, adapter_count, load_network, start_weights_source  # noqa: E402
 from trainer.trainer_utils import (  # noqa: E402
@@ -272,18 +272,6 @@ def outputs(args, info, position, learner, metrics, source, resolved):
                                            learner.recipe.autocast)
     metrics.log(line)
     return Outputs(metrics, previews, checkpointer, export, throughput)
-
-
-def step_pairs(batches, learner, generator, throughput):
-    """A step's micro-batches of pairs on the device with their random draws, made on the host (pair_inputs each)
-    -> (those inputs, their FLOPs: the policy's forward and backward and the reference's forward, on both sides of
-    each pair). Eager, each micro-batch's inputs are made as it is read (one on the device at a time; the loss
-    draws nothing, so the draws keep their order); a graph copies all of a step's at once."""
-    batches = list(batches)
-    flops = sum((throughput.flops(batch, samples=2) + throughput.flops(batch, 2, grad=False, routed=True)).model
-                for batch in batches)
-    inputs = (pair_inputs(learner.model, learner.components, batch, generator, learner.recipe) for batch in batches)
-    return (list(inputs) if learner.graphs.on else inputs), flops
 
 
 def accumulate(args, inputs, learner):
